@@ -4,24 +4,14 @@ fake fncall backend: an image rebuilt meanwhile, a host that admits none."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from types import SimpleNamespace
+
+from loop_kit import workers_on_loop
 
 from dsecd.engine.calls import CallService
 from dsecd.engine.execs import ExecLimits
 from dsecd.engine.starts import ProcessStarter
-from dsecd.engine.workers import Workers
-
-
-@contextlib.contextmanager
-def _workers():
-    workers = Workers(2)
-    workers.start(asyncio.get_running_loop())
-    try:
-        yield workers
-    finally:
-        workers.pool.shutdown(wait=True)
 
 
 async def _until(cond) -> None:
@@ -61,7 +51,7 @@ def test_a_call_sandbox_made_of_an_image_rebuilt_meanwhile_is_not_kept():
                                release_call_sandbox=lambda box_id: held.pop(box_id))
 
     async def go():
-        with _workers() as workers:
+        with workers_on_loop() as workers:
             limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
             node = CallService(FnCall(), {"cpu": 1, "memory": "64M", "pids": 64, "qos": "be", "uid_base": 60000,
                                           "uid_count": 4, "max_boxes": 0}, {}, 100_000, images,
@@ -104,7 +94,7 @@ def test_a_call_refused_by_a_full_host_counts_as_busy():
     capacity = SimpleNamespace(hold_call_sandbox=full, release_call_sandbox=lambda box_id: None)
 
     async def go():
-        with _workers() as workers:
+        with workers_on_loop() as workers:
             limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
             node = CallService(None, {"cpu": 1, "memory": "64M", "pids": 64, "qos": "be", "uid_base": 60000,
                                       "uid_count": 4, "max_boxes": 0}, {}, 100_000, images,

@@ -6,12 +6,12 @@ fake backend). Likewise execs and plain calls (dsecd/engine/starts.py)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
+from loop_kit import workers_on_loop
 from proc_kit import running
 
 from dsecd.config import load_config
@@ -20,7 +20,6 @@ from dsecd.engine.execs import ExecLimits, ExecService
 from dsecd.engine.idranges import IdRanges
 from dsecd.engine.network import NetworkService
 from dsecd.engine.starts import ProcessStarter
-from dsecd.engine.workers import Workers
 from dsecd.fs.users import ProcessIds
 
 
@@ -45,17 +44,6 @@ async def _cancel_soon(task: asyncio.Future, after: float = 0.05) -> None:
         pass
 
 
-@contextlib.contextmanager
-def _workers():
-    """Two worker threads on the running loop, joined at the end."""
-    workers = Workers(2)
-    workers.start(asyncio.get_running_loop())
-    try:
-        yield workers
-    finally:
-        workers.pool.shutdown(wait=True)
-
-
 def _ops(workers, backend) -> NetworkService:
     """The network service, whose spawn_joining a create goes through."""
     cfg = SimpleNamespace(section=load_config().section, state_dir=None)
@@ -72,7 +60,7 @@ def test_a_cancelled_create_destroys_what_its_worker_made():
     released = []
 
     async def go():
-        with _workers() as workers:
+        with workers_on_loop() as workers:
             ops = _ops(workers, backend)
             after = lambda: released.append(list(backend.destroyed))    # noqa: E731
             await _cancel_soon(asyncio.ensure_future(ops.spawn_joining(slow_create, None, after, "sb1")))
@@ -89,7 +77,7 @@ def test_an_uncancelled_create_returns_its_handle_and_destroys_nothing():
     backend = _Backend()
 
     async def go():
-        with _workers() as workers:
+        with workers_on_loop() as workers:
             ops = _ops(workers, backend)
             return await ops.spawn_joining(lambda sb_id, netns_fd: f"handle-of-{sb_id}", None,
                                            lambda: 1 / 0, "sb2")
@@ -140,7 +128,7 @@ def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_ove
 
     async def go():
         loop = asyncio.get_running_loop()
-        with _workers() as workers:
+        with workers_on_loop() as workers:
             execs = ExecService(None, workers, ProcessStarter(workers), Backend(), None, None, -1, None)
             run = Collector(loop, 1 << 20, 0.1, None)
             fds = (0, *run.child_ends)
@@ -188,7 +176,7 @@ def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_ki
             return True
 
     async def go():
-        with _workers() as workers:
+        with workers_on_loop() as workers:
             node = _call_node(workers, FnCall())
             await _cancel_soon(asyncio.ensure_future(node._plain_call(box, ["x"], {}, b"", 5)))
             seen["uid_free_at_cancel"] = 7001 in box.free_uids
@@ -239,7 +227,7 @@ def test_a_plain_call_cancelled_while_it_runs_frees_its_uid_only_once_reaped():
             return True
 
     async def go():
-        with _workers() as workers:
+        with workers_on_loop() as workers:
             node = _call_node(workers, FnCall())
             await _cancel_soon(asyncio.ensure_future(node._plain_call(box, ["x"], {}, b"", 30)), after=0.3)
             await _until(lambda: 7002 in box.free_uids and seen["removed"])
@@ -278,7 +266,7 @@ def test_a_plain_call_forked_by_init_and_cancelled_frees_its_uid_only_once_init_
             return True
 
     async def go():
-        with _workers() as workers:
+        with workers_on_loop() as workers:
             node = _call_node(workers, FnCall())
             await _cancel_soon(asyncio.ensure_future(node._plain_call(box, ["x"], {}, b"", 30)), after=0.1)
             await asyncio.sleep(0.2)
@@ -323,7 +311,7 @@ def test_a_plain_call_whose_channel_broke_keeps_its_uid_and_retires_its_call_san
             return True
 
     async def go():
-        with _workers() as workers:
+        with workers_on_loop() as workers:
             node = _call_node(workers, FnCall())
             node.call_stats["zygotes_replaced"] = 0
             node.call_boxes = {"busybox": box}
@@ -411,7 +399,7 @@ def test_a_plain_calls_uid_whose_leftovers_stay_awhile_comes_back_once_they_go(m
                              remove_private_dir=lambda h, name: True)
 
     async def go():
-        with _workers() as workers:
+        with workers_on_loop() as workers:
             node = _call_node(workers, fncall)
             await node._give_back(box, 7003, "call-x")
 
@@ -452,7 +440,7 @@ def test_a_call_sandbox_made_for_a_cancelled_request_is_destroyed_once_made():
                                release_call_sandbox=lambda box_id: held.pop(box_id))
 
     async def go():
-        with _workers() as workers:
+        with workers_on_loop() as workers:
             limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
             node = CallService(FnCall(), {"cpu": 1, "memory": "64M", "pids": 64, "qos": "be", "uid_base": 60000,
                                           "uid_count": 4}, {}, 100_000, images, CpuHost.__new__(CpuHost), workers,
@@ -548,7 +536,7 @@ def test_a_dropped_call_sandbox_goes_after_its_plain_calls_clean_ups(monkeypatch
                              destroy_box=lambda box_id, h: steps.append("destroyed"))
 
     async def go():
-        with _workers() as workers:
+        with workers_on_loop() as workers:
             node = _call_node(workers, fncall)
             node.image_service = SimpleNamespace(layers=SimpleNamespace(release=lambda layers: None))
             cleanup = asyncio.ensure_future(node._give_back(box, 7003, "call-x"))
@@ -593,7 +581,7 @@ def test_a_dropped_call_sandbox_whose_destroy_fails_is_destroyed_again(monkeypat
                   idmap="range-1")
 
     async def go():
-        with _workers() as workers:
+        with workers_on_loop() as workers:
             node = _dropping_node(workers, destroy_box, seen)
             drop = asyncio.ensure_future(node._drop_box(box, "test"))
             await _until(lambda: seen["destroys"] >= 2)
@@ -621,7 +609,7 @@ def test_a_destroy_that_keeps_failing_does_not_hold_the_daemons_stop(monkeypatch
                   idmap="range-2")
 
     async def go():
-        with _workers() as workers:
+        with workers_on_loop() as workers:
             node = _dropping_node(workers, destroy_box, seen)
             node.call_boxes = {"busybox": box}
             await asyncio.wait_for(node.close(), 5)

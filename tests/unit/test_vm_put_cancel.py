@@ -54,30 +54,38 @@ class Ctx:
         return lambda: self.closing.pop(key, None)
 
 
+async def _put_under_way():
+    """A put of a directory into a microVM sandbox (a stand-in guest), started
+    and waiting with its landing directory made: (sandbox, guest, the
+    request's context, the put's task)."""
+    sb = SimpleNamespace(id="sb1", backend="microvm", state="running", handle=object(), lock=asyncio.Lock(),
+                         copies=0, last_active=0.0)
+    registry = SimpleNamespace(by_id={"sb1": sb}, get=lambda _id, _req: sb,
+                               destroyed_error=lambda _sb, _what: None)
+
+    async def run(fn, *args):
+        return fn(*args)
+
+    async def ensure_running(_sb, _why):
+        pass
+
+    workers = SimpleNamespace(loop=asyncio.get_running_loop(), run=run)
+    guest = GuestFiles()
+    files = FileService(registry, workers, ensure_running, 1 << 20, None, vms=guest)
+    copies = DirCopyService(registry, workers, ensure_running, 1 << 20, 100, 1 << 20, 4, 30.0, None,
+                            vms=guest, hold_vm_temporary=files.hold_vm_temporary,
+                            journal_vm_temporary=files.journal_vm_temporary,
+                            end_vm_temporary=files.end_vm_temporary)
+    ctx = Ctx()
+    req = SimpleNamespace(sandbox="sb1", path=LANDING, temporary=True, owner=None)
+    put = asyncio.create_task(copies.put(req, ctx))
+    await guest.made.wait()
+    return sb, guest, ctx, put
+
+
 def test_a_cancelled_put_leaves_no_landing_directory_while_its_client_stays():
     async def go():
-        sb = SimpleNamespace(id="sb1", backend="microvm", state="running", handle=object(), lock=asyncio.Lock(),
-                             copies=0, last_active=0.0)
-        registry = SimpleNamespace(by_id={"sb1": sb}, get=lambda _id, _req: sb,
-                                   destroyed_error=lambda _sb, _what: None)
-
-        async def run(fn, *args):
-            return fn(*args)
-
-        async def ensure_running(_sb, _why):
-            pass
-
-        workers = SimpleNamespace(loop=asyncio.get_running_loop(), run=run)
-        guest = GuestFiles()
-        files = FileService(registry, workers, ensure_running, 1 << 20, None, vms=guest)
-        copies = DirCopyService(registry, workers, ensure_running, 1 << 20, 100, 1 << 20, 4, 30.0, None,
-                                vms=guest, hold_vm_temporary=files.hold_vm_temporary,
-                                journal_vm_temporary=files.journal_vm_temporary,
-                                end_vm_temporary=files.end_vm_temporary)
-        ctx = Ctx()
-        req = SimpleNamespace(sandbox="sb1", path=LANDING, temporary=True, owner=None)
-        put = asyncio.create_task(copies.put(req, ctx))
-        await guest.made.wait()
+        sb, guest, ctx, put = await _put_under_way()
         put.cancel()
         try:
             await put
@@ -97,28 +105,7 @@ def test_a_put_cancelled_again_while_it_removes_its_landing_directory_still_remo
     the directory from what the connection's end removes, so it must end
     all the same."""
     async def go():
-        sb = SimpleNamespace(id="sb1", backend="microvm", state="running", handle=object(), lock=asyncio.Lock(),
-                             copies=0, last_active=0.0)
-        registry = SimpleNamespace(by_id={"sb1": sb}, get=lambda _id, _req: sb,
-                                   destroyed_error=lambda _sb, _what: None)
-
-        async def run(fn, *args):
-            return fn(*args)
-
-        async def ensure_running(_sb, _why):
-            pass
-
-        workers = SimpleNamespace(loop=asyncio.get_running_loop(), run=run)
-        guest = GuestFiles()
-        files = FileService(registry, workers, ensure_running, 1 << 20, None, vms=guest)
-        copies = DirCopyService(registry, workers, ensure_running, 1 << 20, 100, 1 << 20, 4, 30.0, None,
-                                vms=guest, hold_vm_temporary=files.hold_vm_temporary,
-                                journal_vm_temporary=files.journal_vm_temporary,
-                                end_vm_temporary=files.end_vm_temporary)
-        ctx = Ctx()
-        req = SimpleNamespace(sandbox="sb1", path=LANDING, temporary=True, owner=None)
-        put = asyncio.create_task(copies.put(req, ctx))
-        await guest.made.wait()
+        sb, guest, ctx, put = await _put_under_way()
         await sb.lock.acquire()             # a pause, say: the removal waits for it
         put.cancel()
         for _ in range(10):

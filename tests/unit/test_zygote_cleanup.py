@@ -554,6 +554,15 @@ def test_parts_of_a_deep_trashed_dir_moved_up_are_swept_again(tmp_path, monkeypa
         assert z.sweeping == [] and os.listdir(base / zygote_main.TRASH) == []
 
 
+def _reap(workers) -> None:
+    """Wait for workers forked by a test (each exits at once) and close what the zygote holds of them."""
+    for w in workers:
+        os.waitpid(w["pid"], 0)
+        w["link"].close()
+        if w["pidfd"] >= 0:
+            os.close(w["pidfd"])
+
+
 def test_a_low_zygote_forks_every_missing_spare_in_one_turn():
     """Once fewer than half the spares are left, the missing ones are forked
     back to back in one turn of the loop: each fork write-protects the
@@ -609,11 +618,7 @@ def test_a_batch_whose_fork_fails_keeps_the_workers_forked_before_it(monkeypatch
             held = [fd for w in workers for fd in (w["link"].fileno(), w["pidfd"]) if fd >= 0]
             assert len(os.listdir("/proc/self/fd")) - before == len(held)     # no other end left open
         finally:
-            for w in workers:
-                os.waitpid(w["pid"], 0)
-                w["link"].close()
-                if w["pidfd"] >= 0:
-                    os.close(w["pidfd"])
+            _reap(workers)
 
 
 
@@ -647,8 +652,4 @@ def test_a_batch_short_of_fds_forks_what_it_could_pair_and_loses_no_uid(monkeypa
                 z.fork_workers(2)
             assert caught.value.errno == errno.EMFILE and sorted(z.uids) == free
         finally:
-            for w in workers:
-                os.waitpid(w["pid"], 0)
-                w["link"].close()
-                if w["pidfd"] >= 0:
-                    os.close(w["pidfd"])
+            _reap(workers)
