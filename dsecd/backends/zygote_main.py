@@ -1283,7 +1283,13 @@ class Zygote:
             now = time.monotonic()
             if events:
                 self.busy_at = now
-            elif want and (low or now - self.busy_at >= IDLE_MS / 1000) and now >= self.fork_again_at:
+            # Low after this turn's calls: refilled now, calls handled or
+            # not. Under load every poll has calls, and spares forked only in
+            # a quiet turn were never forked again: each call got a worker
+            # of its own, and the loop's pages were copied at every one.
+            low = len(self.idle) < max(1, self.spares // 2)
+            want = len(self.idle) < self.spares and self.uids
+            if want and now >= self.fork_again_at and (low or (not events and now - self.busy_at >= IDLE_MS / 1000)):
                 try:
                     # Once low, all that are missing, back to back: each
                     # fork write-protects this process's memory again, and

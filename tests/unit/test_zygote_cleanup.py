@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import select
 import signal
 import time
 
@@ -653,3 +654,35 @@ def test_a_batch_short_of_fds_forks_what_it_could_pair_and_loses_no_uid(monkeypa
             assert caught.value.errno == errno.EMFILE and sorted(z.uids) == free
         finally:
             _reap(workers)
+
+
+def test_a_low_zygote_refills_its_spares_in_a_turn_that_had_calls_too():
+    """Under load every poll has calls for the zygote, and a zygote that
+    forked only in a turn without any forked no spare again: each call then
+    got a worker forked for it alone, and the loop's pages were copied again
+    at every one. Once low, it refills in the same turn."""
+    with _zygote(uid_count=16) as z:
+        z.spares = 8
+        z.idle = [{"pid": 0}] * 3
+        asked = []
+
+        def fork_workers(n):
+            asked.append(n)
+            return [{"pid": 0}] * n
+
+        z.fork_workers = fork_workers
+        z.on_request = lambda: z.idle.pop()          # a call takes a spare
+
+        class Poll:
+            turns = 0
+
+            def poll(self, wait):
+                Poll.turns += 1
+                if Poll.turns > 1:
+                    raise _Stop
+                return [(z.sock.fileno(), select.POLLIN)]
+
+        z.poll = Poll()
+        with pytest.raises(_Stop):
+            z.run()
+    assert asked == [6] and len(z.idle) == 8
