@@ -130,15 +130,18 @@ class SyncSandbox:
     def net_set(self, **kw) -> dict:
         return self._run(self._sb.net_set(**kw))
 
-    def publish(self, port: int, host_port: int | None = None, bind: str = "", protocol: str = "tcp") -> dict:
+    # protocol None, as in Sandbox: TCP, or the one a port such as "5353/udp"
+    # names (a "tcp" passed on would contradict that one).
+    def publish(self, port: int | str, host_port: int | None = None, bind: str = "",
+                protocol: str | None = None) -> dict:
         return self._run(self._sb.publish(port, host_port, bind, protocol))
 
-    def unpublish(self, port: int, protocol: str = "tcp") -> dict:
+    def unpublish(self, port: int | str, protocol: str | None = None) -> dict:
         return self._run(self._sb.unpublish(port, protocol))
 
-    def get_host(self, port: int, protocol: str = "tcp") -> str:
-        """"host:port" where the host reaches the sandbox's `protocol` ("tcp" or
-        "udp") `port` (published if needed)."""
+    def get_host(self, port: int | str, protocol: str | None = None) -> str:
+        """"host:port" where the host reaches the sandbox's `protocol` ("tcp",
+        the default, or "udp") `port` (or "5353/udp"; published if needed)."""
         return self._run(self._sb.get_host(port, protocol))
 
     def pause(self) -> dict:

@@ -12,6 +12,7 @@ from standin_kit import serving
 from dsecd import protocol
 from dsecd.client import Client, Sandbox
 from dsecd.errors import BadRequest
+from dsecd.sync import SyncSandbox
 
 
 def _sent(tmp_path, call) -> list[dict]:
@@ -89,3 +90,29 @@ def test_a_port_whose_protocol_contradicts_the_one_given_is_refused(tmp_path):
             await sb.publish("dns")
 
     assert _sent(tmp_path, call) == []
+
+
+def test_the_sync_sdk_takes_a_port_named_with_its_protocol(tmp_path):
+    """SyncSandbox passed protocol="tcp" on whenever none was given, so
+    "5353/udp" there was refused as contradicting it."""
+    sent: list[tuple] = []
+
+    class Recorder:
+        target = "stand-in"
+
+        async def request(self, op, **args):
+            sent.append((op, args.get("port"), args.get("protocol")))
+            return {"ports": []} if op == "net_show" else {"host": "10.88.0.1:30000"}
+
+    class Owner:
+        def _run(self, coro):
+            return asyncio.run(coro)
+
+    sb = SyncSandbox(Owner(), Sandbox(Recorder(), "sb1", {"id": "sb1"}))
+    sb.publish("5353/udp")
+    sb.unpublish("5353/udp")
+    assert sb.get_host("5353/udp") == "10.88.0.1:30000"
+    sb.publish(8080)
+    sb.publish(5353, protocol="udp")
+    assert sent == [("net_publish", 5353, "udp"), ("net_unpublish", 5353, "udp"), ("net_show", None, None),
+                    ("net_publish", 5353, "udp"), ("net_publish", 8080, None), ("net_publish", 5353, "udp")]
