@@ -96,9 +96,16 @@ def changes(running: dict, read: dict) -> list[tuple[str, object, object]]:
     return [(k, old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
 
 
-# Applied once the reload's own lines are logged: a level raised past info
-# would hide those that came after it.
-APPLIED_LAST = ("daemon.log_level",)
+# The log level, applied around the reload's own lines so that the more
+# verbose of the two levels decides which of them show: raised (info to
+# warning), once they are logged, or it would hide those after it; lowered
+# (warning to info), before the first, or the old level would hide them all.
+LEVEL_KEY = "daemon.log_level"
+
+
+def lowers_the_level(old, new) -> bool:
+    """Whether log level `new` shows more than `old` does (debug < info < ...)."""
+    return logging.getLevelName(str(new).upper()) < logging.getLevelName(str(old).upper())
 
 
 def shown(value) -> str:
@@ -165,14 +172,21 @@ class Reloader:
         """A checked config's changes: applied where RELOADABLE says how, else said to wait."""
         running = self.node.cfg.raw
         applied, restart, last = [], [], []
-        for key, old, new in changes(running, cfg.raw):
+        found = changes(running, cfg.raw)
+        for key, old, new in found:
+            if key == LEVEL_KEY and lowers_the_level(old, new):
+                RELOADABLE[key](self.node, new)
+        for key, old, new in found:
             if key not in RELOADABLE:
                 restart.append(key)
                 log.warning("%s changed: takes effect at the next start; still %s", key, shown(old),
                             extra={"fields": {"event": "setting_needs_restart", "key": key}})
                 continue
-            if key in APPLIED_LAST:
-                last.append((key, new))
+            if key == LEVEL_KEY:
+                if lowers_the_level(old, new):
+                    _set(running, key, new)         # applied above, before the first line
+                else:
+                    last.append((key, new))
             else:
                 try:
                     done = RELOADABLE[key](self.node, new)

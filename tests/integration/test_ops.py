@@ -447,6 +447,28 @@ def test_a_reload_that_raises_the_log_level_still_says_what_it_did(daemon_factor
         c.close()
 
 
+def test_a_reload_that_lowers_the_log_level_says_what_it_did(daemon_factory):
+    """daemon.log_level reloaded from warning to info was set after the
+    reload's own info lines, which the old level hid: the operator who
+    asked for them saw nothing of that reload."""
+    d = daemon_factory(start=False)
+    d.config.write_text(d.config.read_text().replace('log_level = "debug"', 'log_level = "warning"'))
+    d.start()
+    d.config.write_text(d.config.read_text().replace('log_level = "warning"', 'log_level = "info"')
+                        + "\n[fncall]\nmax_boxes = 3\n")
+    d.proc.send_signal(signal.SIGHUP)
+    c = d.client()
+    try:
+        r = wait_for(lambda: c.info()["daemon"]["last_reload"], timeout=15)
+        assert r and r["ok"] and sorted(r["applied"]) == ["daemon.log_level", "fncall.max_boxes"], r
+        assert c.info()["daemon"]["log_level"] == "info"
+    finally:
+        c.close()
+    said = [line.get("key") for line in log_lines(d) if line.get("event") == "setting_changed"]
+    assert sorted(said) == ["daemon.log_level", "fncall.max_boxes"], said
+    assert [line for line in log_lines(d) if line.get("event") == "reloaded"]
+
+
 def test_sighup_refuses_a_bad_config_and_says_what_waits_for_a_restart(daemon_factory, busybox_rootfs):
     """A file that fails the check `dsecd --check-config` makes changes
     nothing, in one error line; a valid one's settings that a running
