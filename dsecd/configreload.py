@@ -129,9 +129,14 @@ class Reloader:
         self.last: dict | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
+        self.closed = False
 
     def request(self) -> None:
-        """SIGHUP: a reload, after any under way."""
+        """SIGHUP: a reload, after any under way; none once the daemon stops."""
+        if self.closed:
+            log.info("SIGHUP while stopping: the config is not read again",
+                     extra={"fields": {"event": "sighup"}})
+            return
         task = asyncio.get_running_loop().create_task(self.reload())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -139,8 +144,21 @@ class Reloader:
     def state(self) -> dict:
         return {"config_loaded_at": round(self.loaded_at, 3), "last_reload": self.last}
 
-    async def reload(self) -> dict:
+    async def close(self) -> None:
+        """The daemon stops: no reload from now on, and the one under way
+        ends first. A reload applies settings to the services the stop
+        closes: run alongside, it would start an idle sweep again after the
+        call service closed, or ask a worker pool shut down meanwhile."""
+        self.closed = True
+        async with self._lock:      # one asked for before, still waiting for it, then reads nothing
+            pass
+
+    async def reload(self) -> dict | None:
+        """The reload's result (info's last_reload); None once the daemon
+        stops (close()), when nothing is read."""
         async with self._lock:
+            if self.closed:
+                return None
             try:
                 result = await self._reload()
             except Exception as err:        # a bug: the running settings stay, said

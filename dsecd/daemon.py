@@ -378,6 +378,7 @@ async def serve(cfg, args: argparse.Namespace) -> None:
         node.reloader.request()
     await stop.wait()
     log.info("stopping; sandboxes keep running")
+    await node.reloader.close()
     live = sum(1 for sb in node.registry.by_id.values() if sb.state != "dead")
     notifier.stopping(f"stopping; {live} sandboxes keep running")
     monitor.stop()

@@ -28,3 +28,45 @@ def test_every_reloadable_setting_is_a_config_key():
     for key in RELOADABLE:
         section, _, name = key.partition(".")
         assert name in raw[section], key
+
+
+def test_a_stopping_daemon_finishes_the_reload_under_way_and_starts_none():
+    """A SIGHUP as the daemon stopped ran a reload alongside the close of
+    the services it applies settings to (a worker pool shut down under it,
+    an idle sweep started again after the call service closed). close()
+    waits for the reload under way; a reload asked for after it reads
+    nothing."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from dsecd.configreload import Reloader
+
+    async def go():
+        gate = asyncio.Event()
+        builds = []
+
+        async def run(fn, *args):
+            builds.append(fn)
+            await gate.wait()
+            return fn(*args)
+
+        raw = load_config(None).raw
+        node = SimpleNamespace(workers=SimpleNamespace(run=run), cfg=SimpleNamespace(raw=raw))
+        r = Reloader(SimpleNamespace(config=None), node, lambda args: load_config(None),
+                     lambda given: None, lambda error, keys: None)
+        r.request()
+        await asyncio.sleep(0)
+        assert len(builds) == 1                     # the reload under way waits in its build
+        closing = asyncio.get_running_loop().create_task(r.close())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not closing.done()
+        gate.set()
+        await closing
+        assert r.last is not None and r.last["ok"], r.last
+        r.request()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(builds) == 1 and not r._tasks
+
+    asyncio.run(go())
