@@ -175,6 +175,25 @@ struct udp_port {
 BPF_HASH(udp_published, struct udp_port, u8, MAX_UDP_PUBLISHED);
 BPF_TABLE("lru_hash", struct vm_flow, u8, udp_peers, MAX_ACCEPTED);
 
+// A microVM's UDP datagram bigger than its tap's MTU leaves the guest in IP
+// fragments, and only the first has the ports the policy decides on (an
+// answer to a peer of a published port, a send to an allowed port): the
+// others would be "other protocol" to that address. dsec_tap notes here,
+// as {VM key, destination, IP id}, each first fragment it passes (IPv4, more
+// fragments to follow), and lets the rest of that datagram, to the same
+// destination, through. (A container's datagrams are checked by its cgroup
+// hooks before the kernel fragments them.) The LRU drops what is done.
+#ifndef MAX_VM_FRAGS
+#define MAX_VM_FRAGS 4096
+#endif
+struct vm_frag {
+    u64 key;
+    u32 daddr;
+    u16 id;         // network byte order
+    u8 pad[2];
+};
+BPF_TABLE("lru_hash", struct vm_frag, u8, vm_frags, MAX_VM_FRAGS);
+
 // A datagram arrived for the sandbox `key` from `peer`:`peer_port` to its
 // `port` (ports in network byte order): if that port is published, the
 // peer may be answered from it.
@@ -747,10 +766,23 @@ int dsec_tap(struct __sk_buff *skb)
     k.family = FAM_V4;
     __builtin_memcpy(k.addr, &ip.daddr, 4);
     u8 proto = ip.protocol;
-    if (ip.frag_off & bpf_htons(0x1fff))
-        proto = 0;  // a non-first fragment has no ports: "other protocol"
-    if (tap_decide(skb, tap, sb, &k, proto, sizeof(eth) + ip.ihl * 4))
+    struct vm_frag fr = {};
+    fr.key = key;
+    fr.daddr = ip.daddr;
+    fr.id = ip.id;
+    if (ip.frag_off & bpf_htons(0x1fff)) {
+        // A later fragment of a UDP datagram whose first one passed (vm_frags).
+        if (proto == IPPROTO_UDP && vm_frags.lookup(&fr))
+            return TC_ACT_OK;
+        proto = 0;  // else it has no ports: "other protocol"
+    }
+    if (tap_decide(skb, tap, sb, &k, proto, sizeof(eth) + ip.ihl * 4)) {
+        if (proto == IPPROTO_UDP && (ip.frag_off & bpf_htons(0x2000 /* IP_MF */))) {
+            u8 one = 1;
+            vm_frags.update(&fr, &one);
+        }
         return TC_ACT_OK;
+    }
 drop:;
     u32 slot = sb->slot;
     struct sb_stat *st = sb_stats.lookup(&slot);

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parents[2] / "bpf" / "net_policy.c"
 MAGIC = b"dsecd-bpf-object 1\n"
 MAPS = ("config", "sandboxes", "rules", "rule_hits", "sb_stats", "accepted", "taps", "vm_inbound",
-        "udp_published", "udp_peers")
+        "udp_published", "udp_peers", "vm_frags")
 # (function, program type, attach type): the programs attached to each sandbox's cgroup
 HOOKS = (
     ("dsec_connect4", "CGROUP_SOCK_ADDR", "CGROUP_INET4_CONNECT"),

@@ -347,6 +347,29 @@ def test_a_published_udp_port_of_a_vm_answers_until_it_is_unpublished(world, vmn
         c.close()
 
 
+def test_a_vm_answers_a_published_udp_port_with_a_datagram_past_the_mtu(world, vmnet, probe_binary):
+    """An answer bigger than the tap's MTU leaves the guest in IP fragments:
+    the first, with the UDP header, passed as an answer to a peer, and the
+    rest, without ports, were dropped as "other protocol" to an address the
+    allowlist does not name, so the peer never had the whole answer. (A
+    container's answers are checked before the kernel fragments them.)"""
+    from test_net_nat import _udp_answered, _udp_echo_server
+
+    d, _ = vmnet
+    c = d.client()
+    sb = _vm(c, net="default", publish=["5353/udp"])
+    try:
+        _udp_echo_server(sb, probe_binary, 5353)
+        host = sb.get_host(5353, protocol="udp")
+        assert _udp_answered(world.br_ns, host, b"ping")
+        assert _udp_answered(world.br_ns, host, b"x" * 1900)      # MTU 1500: two fragments each way
+        sb.unpublish(5353, protocol="udp")
+        assert not _udp_answered(world.br_ns, host, b"x" * 1900)
+    finally:
+        sb.destroy()
+        c.close()
+
+
 def _inet6(sb) -> list[str]:
     """The guest's IPv6 addresses on eth0 (/proc/net/if_inet6: 32 hex digits first)."""
     r = sb.exec(["sh", "-c", "cat /proc/net/if_inet6 2>/dev/null; true"])
