@@ -220,9 +220,17 @@ static __always_inline void note_udp_peer(u64 key, u8 family, const u8 *peer, in
 
 // The sandbox `key` sends a datagram from its `port` to `k`'s address,
 // `peer_port` (network byte order): an answer to a peer that wrote to that
-// port while it is published.
+// port while it is published. The port must still be published: unpublish
+// deletes its entry, then its peers, and a datagram whose note_udp_peer
+// found the entry before that delete may mark its sender after the daemon
+// read the peers; that mark is not answered.
 static __always_inline int answers_udp_peer(u64 key, struct lpm_key *k, u16 peer_port, u16 port)
 {
+    struct udp_port up = {};
+    up.key = key;
+    up.port = port;
+    if (!udp_published.lookup(&up))
+        return 0;
     struct vm_flow f = {};
     f.key = key;
     __builtin_memcpy(f.peer, k->addr, 16);

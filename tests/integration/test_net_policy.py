@@ -579,6 +579,46 @@ def test_a_datagram_on_the_sandbox_s_loopback_marks_no_peer_whatever_its_source(
     net.unpublish(a.name, 5353, protocol="udp")
 
 
+def test_a_peer_left_in_udp_peers_is_not_answered_once_the_port_is_unpublished(world, sandbox):
+    """Unpublish deletes the port's `udp_published` entry, then reads
+    `udp_peers` for its peers and deletes them. A datagram whose
+    dsec_ingress found the port still published, and marked its sender
+    after that read, left a peer behind, and the sandbox could answer it
+    from the port after the unpublish, whatever its allowlist said. A
+    peer is answered only while its port is published; the leftover is
+    made here by hand."""
+    import socket
+
+    from dsecd.net.policy import _FLOW
+
+    net = world.net
+    a = sandbox([])
+    own = net.show(a.name)["lease"]["ipv4"].split("/")[0]
+    gateway = f"10.{world.octet}.0.1"
+    assert a.ask(op="udpbind", port=5353) == {"ok": True}
+    net.publish(a.name, 5353, protocol="udp")
+    ip_transparent = getattr(socket, "IP_TRANSPARENT", 19)
+
+    def send(src_port: int) -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.setsockopt(socket.SOL_IP, ip_transparent, 1)
+            s.bind((gateway, src_port))
+            s.sendto(b"ask", (own, 5353))
+
+    world.in_bridge_netns(send, 40010)
+    assert a.ask(op="udpanswer", port=5353) == {"from": [gateway, 40010], "ok": True}
+    key = net._sbs[a.name].cgroup_id
+    net.unpublish(a.name, 5353, protocol="udp")
+    leftover = _FLOW.pack(key, socket.inet_aton(gateway) + bytes(12), (40011).to_bytes(2, "big"),
+                          (5353).to_bytes(2, "big"), 4)
+    net.engine.udp_peers.update(leftover, b"\1")
+    try:
+        world.in_bridge_netns(send, 40011)
+        assert a.ask(op="udpanswer", port=5353) == {"from": [gateway, 40011], "errno": "EPERM"}
+    finally:
+        net.engine.udp_peers.delete(leftover)
+
+
 def test_an_unpublish_reads_the_full_udp_peer_map_in_batches(world, sandbox, monkeypatch):
     """`udp_peers` is every sandbox's (65536 entries): an unpublish of a UDP
     port finds the port's peers in it while holding the Network's lock, so
