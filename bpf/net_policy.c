@@ -179,20 +179,37 @@ BPF_TABLE("lru_hash", struct vm_flow, u8, udp_peers, MAX_ACCEPTED);
 // fragments, and only the first has the ports the policy decides on (an
 // answer to a peer of a published port, a send to an allowed port): the
 // others would be "other protocol" to that address. dsec_tap notes here,
-// as {VM key, destination, IP id}, each first fragment it passes (IPv4, more
-// fragments to follow), and lets the rest of that datagram, to the same
-// destination, through. (A container's datagrams are checked by its cgroup
-// hooks before the kernel fragments them.) The LRU drops what is done.
+// as {VM key, destination, IP id, family}, each first fragment of a UDP
+// datagram it passes (more fragments to follow), and lets the rest of that
+// datagram, to the same destination, through. (A container's datagrams are
+// checked by its cgroup hooks before the kernel fragments them.) The LRU
+// drops what is done.
 #ifndef MAX_VM_FRAGS
 #define MAX_VM_FRAGS 4096
 #endif
 struct vm_frag {
     u64 key;
-    u32 daddr;
-    u16 id;         // network byte order
-    u8 pad[2];
+    u8 daddr[16];   // IPv4 in the first 4 bytes
+    u32 id;         // IPv4's 16-bit id or the IPv6 fragment header's; network byte order
+    u8 family;      // FAM_V4 | FAM_V6
+    u8 pad[3];
 };
 BPF_TABLE("lru_hash", struct vm_frag, u8, vm_frags, MAX_VM_FRAGS);
+
+// IPv6's fragment header (RFC 8200 4.5): in every fragment, right after the
+// fixed header (dsec_tap takes any other extension header for "other
+// protocol"), before the fragment's part of the datagram.
+#ifndef IPPROTO_FRAGMENT
+#define IPPROTO_FRAGMENT 44
+#endif
+struct frag6 {
+    u8 nexthdr;     // the datagram's protocol, in every fragment
+    u8 reserved;
+    u16 frag_off;   // offset (8-byte units) << 3 | M (more fragments); network byte order
+    u32 id;
+};
+#define FRAG6_OFFSET 0xfff8
+#define FRAG6_MORE 1
 
 // A datagram arrived for the sandbox `key` from `peer`:`peer_port` to its
 // `port` (ports in network byte order): if that port is published, the
@@ -759,9 +776,39 @@ int dsec_tap(struct __sk_buff *skb)
         k.family = FAM_V6;
         __builtin_memcpy(k.addr, &ip6.daddr, 16);
         // No fold_v4_mapped(): on the wire ::ffff:a.b.c.d is no IPv4 destination.
-        // Extension headers (fragments included) are "other protocol", as in dsec_egress.
-        if (tap_decide(skb, tap, sb, &k, ip6.nexthdr, sizeof(eth) + sizeof(ip6)))
+        // Extension headers are "other protocol", as in dsec_egress, but for
+        // the fragment header of a UDP datagram: its first fragment is decided
+        // as the datagram, the others pass with it (vm_frags).
+        u8 proto6 = ip6.nexthdr;
+        u32 l4 = sizeof(eth) + sizeof(ip6);
+        struct vm_frag fr6 = {};
+        int more6 = 0;
+        if (proto6 == IPPROTO_FRAGMENT) {
+            struct frag6 fh;
+            if (bpf_skb_load_bytes(skb, l4, &fh, sizeof(fh)) < 0)
+                goto drop;
+            fr6.key = key;
+            __builtin_memcpy(fr6.daddr, &ip6.daddr, 16);
+            fr6.id = fh.id;
+            fr6.family = FAM_V6;
+            if (fh.nexthdr == IPPROTO_UDP) {
+                if (fh.frag_off & bpf_htons(FRAG6_OFFSET)) {
+                    if (vm_frags.lookup(&fr6))
+                        return TC_ACT_OK;
+                } else {
+                    proto6 = IPPROTO_UDP;
+                    l4 += sizeof(fh);
+                    more6 = (fh.frag_off & bpf_htons(FRAG6_MORE)) != 0;
+                }
+            }
+        }
+        if (tap_decide(skb, tap, sb, &k, proto6, l4)) {
+            if (more6) {
+                u8 one = 1;
+                vm_frags.update(&fr6, &one);
+            }
             return TC_ACT_OK;
+        }
         goto drop;
     }
     if (eth.h_proto != bpf_htons(ETH_P_IP))
@@ -776,8 +823,9 @@ int dsec_tap(struct __sk_buff *skb)
     u8 proto = ip.protocol;
     struct vm_frag fr = {};
     fr.key = key;
-    fr.daddr = ip.daddr;
+    __builtin_memcpy(fr.daddr, &ip.daddr, 4);
     fr.id = ip.id;
+    fr.family = FAM_V4;
     if (ip.frag_off & bpf_htons(0x1fff)) {
         // A later fragment of a UDP datagram whose first one passed (vm_frags).
         if (proto == IPPROTO_UDP && vm_frags.lookup(&fr))
@@ -864,9 +912,20 @@ int dsec_tap_in(struct __sk_buff *skb)
             !same_bytes((const u8 *)&ip6.daddr, tap->ip6, 16))
             return TC_ACT_OK;
         u32 l4 = sizeof(eth) + sizeof(ip6);
-        if (ip6.nexthdr == IPPROTO_TCP)
+        u8 proto6 = ip6.nexthdr;
+        if (proto6 == IPPROTO_FRAGMENT) {
+            // A datagram past the MTU: its first fragment has the UDP header
+            // after the fragment header; the others have no ports.
+            struct frag6 fh;
+            if (bpf_skb_load_bytes(skb, l4, &fh, sizeof(fh)) < 0 || fh.nexthdr != IPPROTO_UDP ||
+                (fh.frag_off & bpf_htons(FRAG6_OFFSET)))
+                return TC_ACT_OK;
+            proto6 = IPPROTO_UDP;
+            l4 += sizeof(fh);
+        }
+        if (proto6 == IPPROTO_TCP)
             note_inbound(skb, tap, FAM_V6, (const u8 *)&ip6.saddr, 16, l4);
-        else if (ip6.nexthdr == IPPROTO_UDP && bpf_skb_load_bytes(skb, l4, ports, sizeof(ports)) == 0)
+        else if (proto6 == IPPROTO_UDP && bpf_skb_load_bytes(skb, l4, ports, sizeof(ports)) == 0)
             note_udp_peer(tap->key, FAM_V6, (const u8 *)&ip6.saddr, 16, ports[0], ports[1]);
     }
     return TC_ACT_OK;

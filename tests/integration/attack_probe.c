@@ -372,13 +372,12 @@ static int a_udp(char **v)
  * back to its sender from PORT (unconnected: a sendto per datagram, which the
  * sandbox's sendmsg hook decides on). Prints the errno of the sendto that
  * failed, if one did, and goes on. */
-static int a_udp_echo(char **v)
+static int udp_echo_on(int fd, struct sockaddr *me, socklen_t me_len)
 {
-    struct sockaddr_in me = {.sin_family = AF_INET, .sin_port = htons(atoi(v[0]))};
-    int fd = socket(AF_INET, SOCK_DGRAM, 0), one = 1;
+    int one = 1;
 
     setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof(one));   /* udp_from may send from PORT too */
-    if (fd < 0 || bind(fd, (struct sockaddr *)&me, sizeof(me)) < 0)
+    if (fd < 0 || bind(fd, me, me_len) < 0)
         return report(-1);
     for (;;) {
         char buf[2048];
@@ -391,6 +390,23 @@ static int a_udp_echo(char **v)
             fflush(stdout);
         }
     }
+}
+
+static int a_udp_echo(char **v)
+{
+    struct sockaddr_in me = {.sin_family = AF_INET, .sin_port = htons(atoi(v[0]))};
+
+    return udp_echo_on(socket(AF_INET, SOCK_DGRAM, 0), (struct sockaddr *)&me, sizeof(me));
+}
+
+/* udp_echo over IPv6 only (IPV6_V6ONLY), on every IPv6 address. */
+static int a_udp6_echo(char **v)
+{
+    struct sockaddr_in6 me = {.sin6_family = AF_INET6, .sin6_port = htons(atoi(v[0])), .sin6_addr = IN6ADDR_ANY_INIT};
+    int fd = socket(AF_INET6, SOCK_DGRAM, 0), one = 1;
+
+    setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof(one));
+    return udp_echo_on(fd, (struct sockaddr *)&me, sizeof(me));
 }
 
 /* A UDP server on PORT that answers its first client over a connected
@@ -634,7 +650,7 @@ static const struct { const char *name; int nargs; int (*fn)(char **); } actions
     {"perf_event_open", 0, a_perf}, {"io_uring", 0, a_io_uring}, {"tty_ioctl", 1, a_tty_ioctl},
     {"file_ioctl", 2, a_file_ioctl}, {"open_by_handle_at", 0, a_open_by_handle}, {"fds", 0, a_fds},
     {"forkbomb", 1, a_forkbomb}, {"alloc", 1, a_alloc}, {"files", 2, a_files},
-    {"connect", 2, a_connect}, {"udp", 2, a_udp}, {"udp_echo", 1, a_udp_echo}, {"udp_from", 3, a_udp_from}, {"udp_echo_connected", 1, a_udp_echo_connected}, {"listen", 1, a_listen}, {"list", 1, a_list}, {"rename", 2, a_rename},
+    {"connect", 2, a_connect}, {"udp", 2, a_udp}, {"udp_echo", 1, a_udp_echo}, {"udp6_echo", 1, a_udp6_echo}, {"udp_from", 3, a_udp_from}, {"udp_echo_connected", 1, a_udp_echo_connected}, {"listen", 1, a_listen}, {"list", 1, a_list}, {"rename", 2, a_rename},
     {"link", 2, a_link}, {"symlink", 2, a_symlink}, {"truncate", 1, a_truncate}, {"mkdir", 1, a_mkdir},
     {"ulisten", 1, a_ulisten}, {"uconnect", 1, a_uconnect}, {"uself", 1, a_uself},
     {"fork_kill", 0, a_fork_kill}, {"fd_inject", 3, a_fd_inject}, {"clone_parent", 3, a_clone_parent},

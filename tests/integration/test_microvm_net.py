@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import time
 
 import pytest
 from conftest import skip_unless_microvm
@@ -365,6 +366,42 @@ def test_a_vm_answers_a_published_udp_port_with_a_datagram_past_the_mtu(world, v
         assert _udp_answered(world.br_ns, host, b"x" * 1900)      # MTU 1500: two fragments each way
         sb.unpublish(5353, protocol="udp")
         assert not _udp_answered(world.br_ns, host, b"x" * 1900)
+    finally:
+        sb.destroy()
+        c.close()
+
+
+def test_a_vm_answers_a_published_udp_port_over_ipv6_past_the_mtu(world, vmnet, probe_binary):
+    """Over IPv6 a datagram bigger than the MTU has a fragment header before
+    its UDP header, in every fragment: dsec_tap_in took the peer's first
+    fragment for "other protocol" and marked no peer, and dsec_tap dropped
+    each fragment of the answer, the first included. Sent from the bridge
+    netns to the VM's IPv6 address (a DNAT is IPv4 only)."""
+    from attack_kit import PROBE_IN_SANDBOX, install_probe
+    from test_net_nat import _udp_echoes
+
+    d, _ = vmnet
+    c = d.client()
+    sb = _vm(c, net="default", publish=["5353/udp"])
+    try:
+        install_probe(sb, probe_binary)
+        sb.exec(["sh", "-c", f"setsid {PROBE_IN_SANDBOX} udp6_echo 5353 </dev/null >/dev/null 2>&1 &"])
+        deadline = time.monotonic() + 5
+        while sb.exec(["sh", "-c", "netstat -lun | grep -q ':5353 '"]).exit_code != 0:
+            assert time.monotonic() < deadline, "the UDP echo server did not bind"
+            time.sleep(0.05)
+        mine = sb.net_show()["lease"]["ipv6"].split("/")[0]
+
+        def answered(data: bytes) -> bool:
+            with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+                s.settimeout(3)
+                s.connect((mine, 5353))
+                return _udp_echoes(s, data)
+
+        assert world.in_bridge_netns(answered, b"ping")
+        assert world.in_bridge_netns(answered, b"x" * 1900)      # MTU 1500: two fragments each way
+        sb.unpublish(5353, protocol="udp")
+        assert not world.in_bridge_netns(answered, b"x" * 1900)
     finally:
         sb.destroy()
         c.close()
