@@ -839,7 +839,9 @@ class Network:
         with self._lock:
             sb = self._get(sb_id)
             if (port, protocol) not in sb.ports:
-                raise NotFound(f"port {port}/{protocol} of sandbox {sb_id} is not published",
+                other = "udp" if protocol == "tcp" else "tcp"
+                hint = f" ({port}/{other} is: name it as {port}/{other})" if (port, other) in sb.ports else ""
+                raise NotFound(f"port {port}/{protocol} of sandbox {sb_id} is not published{hint}",
                                {"sandbox": sb_id, "port": port, "protocol": protocol})
             self._unpublish_one(sb, (port, protocol))
             self._write_record(sb)

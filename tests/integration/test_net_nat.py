@@ -639,8 +639,9 @@ def test_a_published_udp_port_answers_until_it_is_unpublished(iworld, natd, prob
     assert [(p["port"], p["protocol"]) for p in sb.net_show()["ports"]] == [(5353, "udp")]
     assert sb.inspect()["net"]["ports"] == sb.net_show()["ports"]          # as `docker inspect` shows them
     assert f"udp dport {hp}" in ruleset(iworld.br_ns)
-    # No TCP port was published with it.
-    assert d.cli("port", sb.id, "5353", "--rm").returncode != 0
+    # No TCP port was published with it; the error names the UDP one that is.
+    r = d.cli("port", sb.id, "5353", "--rm")
+    assert r.returncode != 0 and b"(5353/udp is: name it as 5353/udp)" in r.stderr, r
 
     flows = [_udp_socket(iworld.br_ns, host),                                    # the host side's own
              _udp_socket(iworld.inet_ns, f"{iworld.uplink_addr}:{hp}")]         # from beyond the uplink
