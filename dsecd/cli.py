@@ -117,7 +117,8 @@ def _reload_text(r: dict | None) -> str:
     if not r["ok"]:
         return f"; reload {_utc(r['at'])} REFUSED: {r['error']} (the running settings stay)"
     waiting = r["restart_needed"]
-    return (f"; reload {_utc(r['at'])}: {len(r['applied'])} settings applied"
+    n = len(r["applied"])
+    return (f"; reload {_utc(r['at'])}: {n} setting{'' if n == 1 else 's'} applied"
             + (f", {len(waiting)} take effect at the next start: {', '.join(waiting)}" if waiting else ""))
 
 

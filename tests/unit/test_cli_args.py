@@ -1044,3 +1044,11 @@ def test_version_says_dsecs_own(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.parse_args(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out == f"dsec {dsecd.__version__}\n"
+
+
+def test_info_says_one_setting_in_the_singular():
+    from dsecd import cli
+
+    one = cli._reload_text({"ok": True, "at": 0.0, "applied": ["daemon.log_level"], "restart_needed": []})
+    two = cli._reload_text({"ok": True, "at": 0.0, "applied": ["a", "b"], "restart_needed": []})
+    assert ": 1 setting applied" in one and ": 2 settings applied" in two
