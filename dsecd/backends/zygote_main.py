@@ -1245,6 +1245,11 @@ class Zygote:
             for f in fds:
                 os.close(f)
 
+    def spares_wanted(self) -> tuple[bool, bool]:
+        """(low: fewer than half the spares are idle, want: a spare is
+        missing and a uid is free for it)."""
+        return len(self.idle) < max(1, self.spares // 2), bool(len(self.idle) < self.spares and self.uids)
+
     def run(self):
         # Spares are forked when the zygote had nothing to do for IDLE_MS, or
         # at once (all that are missing) when fewer than half are left: a
@@ -1262,8 +1267,7 @@ class Zygote:
                 self.recheck_at = now + RECHECK_MS / 1000
             if self.unclean:
                 self.retry_unclean()
-            low = len(self.idle) < max(1, self.spares // 2)
-            want = len(self.idle) < self.spares and self.uids
+            low, want = self.spares_wanted()
             wait = 0 if (want and low) else (IDLE_MS if want else None)
             if want and self.fork_failed:
                 wait = FORK_RETRY_MS
@@ -1287,8 +1291,7 @@ class Zygote:
             # not. Under load every poll has calls, and spares forked only in
             # a quiet turn were never forked again: each call got a worker
             # of its own, and the loop's pages were copied at every one.
-            low = len(self.idle) < max(1, self.spares // 2)
-            want = len(self.idle) < self.spares and self.uids
+            low, want = self.spares_wanted()
             if want and now >= self.fork_again_at and (low or (not events and now - self.busy_at >= IDLE_MS / 1000)):
                 try:
                     # Once low, all that are missing, back to back: each

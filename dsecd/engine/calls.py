@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import errno
 import functools
 import json
@@ -364,41 +365,37 @@ class CallService:
                                cpu_hard_quota=False, cpu_period_us=self.cpu_period_us)
         plan = self.cpu.plan(fc["qos"])
         box_id = f"fn-{secrets.token_hex(5)}"
-        try:
-            self.capacity.hold_call_sandbox(box_id, limits.cpu, limits.memory_bytes)
-        except Busy:            # the host is full, or its CPU or memory
-            self.call_stats["busy"] += 1
-            raise
-        try:
-            mounts = await self.workers.run(self.image_service.layers.acquire, image.layer_digests)
-        except BaseException as err:
-            self.capacity.release_call_sandbox(box_id)
-            if isinstance(err, OSError):
+        # What the box holds, given back in reverse if it is not made; a
+        # cancel hands all of it to _undo_abandoned_box instead.
+        with contextlib.ExitStack() as held:
+            try:
+                self.capacity.hold_call_sandbox(box_id, limits.cpu, limits.memory_bytes)
+            except Busy:            # the host is full, or its CPU or memory
+                self.call_stats["busy"] += 1
+                raise
+            held.callback(self.capacity.release_call_sandbox, box_id)
+            try:
+                mounts = await self.workers.run(self.image_service.layers.acquire, image.layer_digests)
+            except OSError as err:
                 raise io_error("mount layers of image", image_name, err) from err
-            raise
-        try:
+            held.callback(self.image_service.layers.release, image.layer_digests)
             idmap = self.id_ranges.take()
-        except BaseException:
-            self.image_service.layers.release(image.layer_digests)
-            self.capacity.release_call_sandbox(box_id)
-            raise
-        # In a worker, which a cancelled request cannot stop: what it makes
-        # then is undone once it is made (_undo_abandoned_box).
-        made = asyncio.ensure_future(self.workers.run(self._new_box, box_id, overlay_lowerdirs(mounts), limits,
-                                                      plan, idmap))
-        try:
-            handle, mq_fd = await asyncio.shield(made)
-        except asyncio.CancelledError:
-            made.add_done_callback(functools.partial(self._undo_abandoned_box, box_id, idmap, image.layer_digests))
-            raise
-        except BaseException as err:
-            self.id_ranges.give_back(idmap)
-            self.image_service.layers.release(image.layer_digests)
-            self.capacity.release_call_sandbox(box_id)
-            if isinstance(err, (NativeError, OSError)):
+            held.callback(self.id_ranges.give_back, idmap)
+            # In a worker, which a cancelled request cannot stop: what it makes
+            # then is undone once it is made (_undo_abandoned_box).
+            made = asyncio.ensure_future(self.workers.run(self._new_box, box_id, overlay_lowerdirs(mounts), limits,
+                                                          plan, idmap))
+            try:
+                handle, mq_fd = await asyncio.shield(made)
+            except asyncio.CancelledError:
+                held.pop_all()
+                made.add_done_callback(functools.partial(self._undo_abandoned_box, box_id, idmap,
+                                                         image.layer_digests))
+                raise
+            except (NativeError, OSError) as err:
                 raise IOFailure(f"create call sandbox for {image_name}: {err}",
                                 {"errno": getattr(err, "errno", None)}) from err
-            raise
+            held.pop_all()
         log.info("call sandbox %s for image %s", box_id, image_name)
         uids = list(range(fc["uid_base"] + fc["uid_count"] - 1, fc["uid_base"] - 1, -1))   # lowest last
         return CallBox(id=box_id, image=image_name, layers=image.layer_digests, handle=handle, free_uids=uids,
@@ -419,9 +416,7 @@ class CallService:
         """A call sandbox made for a request cancelled meanwhile: destroyed,
         its id range and layers given back (those of one never made at once)."""
         if made.cancelled() or made.exception() is not None:
-            self.id_ranges.give_back(idmap)
-            self.image_service.layers.release(layers)
-            self.capacity.release_call_sandbox(box_id)
+            self._release_box(box_id, layers, idmap)
             return
         handle, mq_fd = made.result()
         if mq_fd >= 0:
@@ -453,8 +448,13 @@ class CallService:
             except TimeoutError:
                 pass
             delay = min(delay * 2, longest)
-        self.image_service.layers.release(layers)
+        self._release_box(box_id, layers, idmap)
+
+    def _release_box(self, box_id: str, layers: list[str], idmap) -> None:
+        """What a call sandbox held, once it is gone or was never made: its
+        id range, its image's layers, its slot of the host."""
         self.id_ranges.give_back(idmap)
+        self.image_service.layers.release(layers)
         self.capacity.release_call_sandbox(box_id)
 
     async def _zygote(self, box: CallBox) -> Zygote | None:

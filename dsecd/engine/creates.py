@@ -443,15 +443,10 @@ class CreateService:
         taken = None if image is not None else await self._take_from_pool(req, limits)
         if taken is not None:
             return taken
-        live = self.registry.live_count()
-        cap = self.limits["max_sandboxes"]
         queue = self.admission
-        if live + queue.queued >= cap:
-            raise queue.reject(
-                f"host is full: {live} sandboxes and {queue.queued} queued creates of max {cap}; "
-                "retry later or on another host",
-                {"sandboxes": live, "queued": queue.queued, "max": cap,
-                 "retry_after_s": self.adm_cfg["full_retry_after_s"]})
+        full = self._full_with_queued()
+        if full is not None:
+            raise queue.reject(*full)
         async with queue.slot(req.labels.get("job", "")) as waited:
             try:
                 result = await self.create_now(req, None, image)
@@ -851,6 +846,17 @@ class CreateService:
             raise Busy(f"host is full: {live} sandboxes of max {cap}; retry later or on another host",
                        {"sandboxes": live, "max": cap})
 
+    def _full_with_queued(self) -> tuple[str, dict] | None:
+        """(message, detail) of `busy` when the live sandboxes and the creates
+        queued for a slot reach limits.max_sandboxes, else None."""
+        live, cap, queued = self.registry.live_count(), self.limits["max_sandboxes"], self.admission.queued
+        if live + queued < cap:
+            return None
+        return (f"host is full: {live} sandboxes and {queued} queued creates of max {cap}; "
+                "retry later or on another host",
+                {"sandboxes": live, "queued": queued, "max": cap,
+                 "retry_after_s": self.adm_cfg["full_retry_after_s"]})
+
     def hold_call_sandbox(self, box_id: str, cpu: float, memory: int) -> None:
         """Admit a call sandbox (engine/calls.py) as a create's sandbox is
         admitted, and count it until release_call_sandbox: busy when the
@@ -861,16 +867,13 @@ class CreateService:
         (fncall.idle_ttl_s). The creates queued for a slot count against
         limits.max_sandboxes, as they do for a new create: a call sandbox
         takes no slot a queued create was let in for."""
-        live, cap, queued = self.registry.live_count(), self.limits["max_sandboxes"], self.admission.queued
-        retry = {"retry_after_s": self.adm_cfg["full_retry_after_s"]}
-        if live + queued >= cap:
-            raise Busy(f"host is full: {live} sandboxes and {queued} queued creates of max {cap}; "
-                       "retry later or on another host",
-                       {"sandboxes": live, "queued": queued, "max": cap, **retry})
+        full = self._full_with_queued()
+        if full is not None:
+            raise Busy(*full)
         try:
             self.cpu.admit(self.registry.requested(), cpu, memory, ls=False)
         except Busy as err:
-            err.detail.setdefault("retry_after_s", retry["retry_after_s"])
+            err.detail.setdefault("retry_after_s", self.adm_cfg["full_retry_after_s"])
             raise
         self.registry.hold(box_id, cpu, memory)
 
