@@ -63,6 +63,7 @@ PACKAGES=(
     busybox-static bubblewrap crun             # test rootfs; peers in bench/peers.py
     buildah                                    # the Dockerfile-build peer in bench/build.py
     erofs-utils iproute2 util-linux debootstrap
+    procps                                     # /bin/kill: the unit's ExecReload= (systemctl reload)
     python3-dnspython dnsmasq-base             # the sandboxes' resolver; the tests' upstream
     python3-urllib3                            # the registry client of `dsec image pull` (dsecd/fs/registry.py)
     skopeo python3-zstandard python3-rich      # image pull: test pushes and the bench's peer, zstd layers, progress bars
