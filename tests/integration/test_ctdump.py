@@ -1,0 +1,84 @@
+"""The whole-table conntrack reads of a destroy (dsecd/net/ctdump.py,
+nat.forget_address for IPv6), against a real table in a test-owned netns."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+
+import pytest
+
+from dsecd.net import ctdump, nat
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, conntrack)")
+
+
+@pytest.fixture
+def netns():
+    name = f"dsecd-test-ct-{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        yield f"/run/netns/{name}"
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=True)
+
+
+def _ct(ns_path: str, family: int):
+    from pyroute2 import Conntrack
+
+    with nat._maybe_netns(ns_path):
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, nat.NETLINK_NETFILTER)
+    s.bind((0, 0))
+    return Conntrack(fileno=s.detach(), nfgen_family=family)
+
+
+def _add(ns_path: str, flows: list[tuple[str, str, int]]) -> None:
+    """A tracked TCP flow per (source, destination, source port)."""
+    from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+
+    fam = socket.AF_INET6 if ":" in flows[0][0] else socket.AF_INET
+    with _ct(ns_path, fam) as ct:
+        for src, dst, sport in flows:
+            ct.entry("add", timeout=600, status=0x8 | 0x2,
+                     tuple_orig=NFCTAttrTuple(family=fam, saddr=src, daddr=dst, proto=6, sport=sport, dport=80),
+                     tuple_reply=NFCTAttrTuple(family=fam, saddr=dst, daddr=src, proto=6, sport=80, dport=sport))
+
+
+def _table(ns_path: str, family: int) -> set[tuple[str, str, int]]:
+    with _ct(ns_path, family) as ct:
+        return {(str(e.tuple_orig.saddr), str(e.tuple_orig.daddr), e.tuple_orig.sport) for e in ct.dump_entries()}
+
+
+def test_forget_address_deletes_the_ipv6_entries_from_and_to_it_and_no_other(netns):
+    ours, other, peer = "fd00::7", "fd00::8", "fd01::1"
+    flows = [(ours, peer, 1000 + i) for i in range(5)] + [(peer, ours, 2000 + i) for i in range(3)] \
+        + [(other, peer, 3000 + i) for i in range(300)] + [(peer, other, 4000)]
+    _add(netns, flows)
+    assert nat.forget_address(netns, ours) == 8
+    assert _table(netns, socket.AF_INET6) == {f for f in flows if ours not in f[:2]}
+    assert nat.forget_address(netns, ours) == 0
+
+
+def test_an_ipv6_address_inside_another_is_not_taken_for_it(netns):
+    """The byte search before the parse only skips: a message holding the
+    address's bytes elsewhere is parsed and matched by its tuple."""
+    ours = "fd00::1:0"
+    lookalike = "fd00::1:0:0"         # another address
+    _add(netns, [(lookalike, "fd01::1", 5000), ("fd01::2", "fd00::", 5001)])
+    assert nat.forget_address(netns, ours) == 0
+    assert len(_table(netns, socket.AF_INET6)) == 2
+
+
+def test_a_delete_of_an_entry_gone_meanwhile_is_no_error(netns):
+    _add(netns, [("10.9.0.2", "10.9.0.3", 6000), ("10.9.0.2", "10.9.0.4", 6001)])
+    with nat._maybe_netns(netns):
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, ctdump.NETLINK_NETFILTER)
+    with ctdump.CtSocket(s) as ct:
+        entries = ct.dump(socket.AF_INET)
+        assert {(socket.inet_ntop(socket.AF_INET, e.src), socket.inet_ntop(socket.AF_INET, e.dst))
+                for e in entries} == {("10.9.0.2", "10.9.0.3"), ("10.9.0.2", "10.9.0.4")}
+        assert [ct.delete(socket.AF_INET, e) for e in entries] == [True, True]
+        assert [ct.delete(socket.AF_INET, e) for e in entries] == [False, False]
+    assert _table(netns, socket.AF_INET) == set()
