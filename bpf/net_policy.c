@@ -11,9 +11,10 @@
 //   accepted    lru_hash  socket cookie of each TCP connection the sandbox accepted (dsec_sockops)
 //   taps        hash      ifindex of a microVM's tap -> {its `sandboxes` key, addresses, MAC} (dsec_tap)
 //   vm_inbound  lru_hash  TCP flows made to a microVM (dsec_tap_in), whose answers dsec_tap lets out
-//   udp_published hash    {sandbox key, UDP port} of each published UDP port (written by the daemon)
+//   udp_published hash    {sandbox key, UDP port} -> publication number of each published UDP port
+//                         (written by the daemon)
 //   udp_peers   lru_hash  who sent a datagram to a published UDP port (dsec_ingress, dsec_tap_in),
-//                         whom the sandbox may answer from that port
+//                         whom the sandbox may answer from that port, -> the publication it wrote to
 //
 // Atomic updates: user space writes a whole new policy under a fresh policy id,
 // then flips the sandbox's one `sandboxes` entry to it (a single map update),
@@ -164,6 +165,26 @@ BPF_TABLE("lru_hash", struct vm_flow, u8, vm_inbound, MAX_ACCEPTED);
 // not open the sandbox's egress, it lets it answer whoever wrote to it.
 // The daemon deletes a port's entry and its peers at unpublish; the LRU
 // drops the least recently marked peers.
+//
+// Each publication of a port has its own number, which the daemon never
+// gives another publication while its maps live (Engine.publish_udp):
+// the value of the port's `udp_published` entry. A peer's mark is that
+// number, and answers it only while the port's entry holds the same one.
+// Unpublish reads `udp_peers` after deleting the port's entry, and a
+// datagram whose note_udp_peer read the entry before that delete can mark
+// its sender after that read: the mark is left behind, with the old
+// publication's number. Were marks a bare "yes", it would let the sandbox
+// answer that peer as soon as the port is published again, though the
+// peer never wrote to that publication; with the number it answers no
+// one until the peer writes again (and is marked with the new number).
+// A datagram that raced both that unpublish and the next publish can write
+// its old number over a mark the new publication made: that peer is then
+// refused until it writes again. The memory of a deleted entry may be
+// reused at once for a new one (a hash map's are), even while a program
+// that found the deleted entry reads it: that program then reads the new
+// entry's number, of a publication in place while its datagram was being
+// let in, and for another port a number this port never has. Either way
+// a mark has the number of a publication its datagram arrived under.
 #ifndef MAX_UDP_PUBLISHED
 #define MAX_UDP_PUBLISHED 16384
 #endif
@@ -172,8 +193,8 @@ struct udp_port {
     u16 port;       // network byte order
     u8 pad[6];
 };
-BPF_HASH(udp_published, struct udp_port, u8, MAX_UDP_PUBLISHED);
-BPF_TABLE("lru_hash", struct vm_flow, u8, udp_peers, MAX_ACCEPTED);
+BPF_HASH(udp_published, struct udp_port, u32, MAX_UDP_PUBLISHED);
+BPF_TABLE("lru_hash", struct vm_flow, u32, udp_peers, MAX_ACCEPTED);
 
 // A microVM's UDP datagram bigger than its tap's MTU leaves the guest in IP
 // fragments, and only the first has the ports the policy decides on (an
@@ -213,15 +234,17 @@ struct frag6 {
 
 // A datagram arrived for the sandbox `key` from `peer`:`peer_port` to its
 // `port` (ports in network byte order): if that port is published, the
-// peer may be answered from it.
+// peer may be answered from it while this publication lasts.
 static __always_inline void note_udp_peer(u64 key, u8 family, const u8 *peer, int peer_len, u16 peer_port,
                                           u16 port)
 {
     struct udp_port up = {};
     up.key = key;
     up.port = port;
-    if (!udp_published.lookup(&up))
+    u32 *pub = udp_published.lookup(&up);
+    if (!pub)
         return;
+    u32 gen = *pub;
     struct vm_flow f = {};
     f.key = key;
     if (peer_len == 4)
@@ -231,30 +254,31 @@ static __always_inline void note_udp_peer(u64 key, u8 family, const u8 *peer, in
     f.peer_port = peer_port;
     f.vm_port = port;
     f.family = family;
-    u8 one = 1;
-    udp_peers.update(&f, &one);
+    udp_peers.update(&f, &gen);
 }
 
 // The sandbox `key` sends a datagram from its `port` to `k`'s address,
 // `peer_port` (network byte order): an answer to a peer that wrote to that
-// port while it is published. The port must still be published: unpublish
-// deletes its entry, then its peers, and a datagram whose note_udp_peer
-// found the entry before that delete may mark its sender after the daemon
-// read the peers; that mark is not answered.
+// port under its current publication. A mark left by a datagram that raced
+// an unpublish has another publication's number, or no entry to compare
+// with while the port is not published: it is not answered.
 static __always_inline int answers_udp_peer(u64 key, struct lpm_key *k, u16 peer_port, u16 port)
 {
     struct udp_port up = {};
     up.key = key;
     up.port = port;
-    if (!udp_published.lookup(&up))
+    u32 *pub = udp_published.lookup(&up);
+    if (!pub)
         return 0;
+    u32 gen = *pub;
     struct vm_flow f = {};
     f.key = key;
     __builtin_memcpy(f.peer, k->addr, 16);
     f.peer_port = peer_port;
     f.vm_port = port;
     f.family = k->family;
-    return udp_peers.lookup(&f) != 0;
+    u32 *mark = udp_peers.lookup(&f);
+    return mark && *mark == gen;
 }
 
 static __always_inline u32 sandbox_level(void)

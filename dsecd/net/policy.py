@@ -54,6 +54,7 @@ _ENTRY = struct.Struct("=HHB3xI")               # struct entry
 _SB_STAT = struct.Struct("=QQQ")                # struct sb_stat
 _TAP_VAL = struct.Struct("=Q4s6s2x16s16s4x")   # struct tap_val (addresses in network byte order)
 _UDP_PORT = struct.Struct("=Q2s6x")             # struct udp_port: sandbox key, port (network byte order)
+_UDP_GEN = struct.Struct("=I")                  # a `udp_published` value, and a `udp_peers` one: a publication
 _FLOW = struct.Struct("=Q16s2s2sB3x")           # struct vm_flow: key, peer, peer port, its port, family
 
 
@@ -156,6 +157,9 @@ class Engine:
         self.prefixes_used = 0
         self.next_policy = 1
         self.level: int | None = None
+        # Counts the UDP publications of these maps: the next one's number
+        # is this count's next value mod 2**32 - 1, plus 1 (publish_udp).
+        self._udp_gens = itertools.count()
 
     # ------------------------------------------------------------ config
 
@@ -305,9 +309,18 @@ class Engine:
         """Let the sandbox `key` (a cgroup id, or a microVM's vm_key) answer
         whoever sends a datagram to its UDP `port` from now on (a TCP
         connection made to it needs no such entry: its socket is marked).
-        LimitExceeded when `udp_published`, every sandbox's, is full."""
+        LimitExceeded when `udp_published`, every sandbox's, is full.
+
+        Each publication gets a number no other publication of these maps
+        had (2**32 - 1 of them before one comes again), which marks the
+        peers that write to it: a mark left by a datagram that raced an
+        earlier unpublish of the port has an earlier publication's number,
+        and answers nothing under this one (bpf/net_policy.c,
+        answers_udp_peer)."""
+        with self.lock:
+            gen = next(self._udp_gens) % 0xFFFFFFFF + 1
         try:
-            self.udp_published.update(_UDP_PORT.pack(key, port.to_bytes(2, "big")), b"\1")
+            self.udp_published.update(_UDP_PORT.pack(key, port.to_bytes(2, "big")), _UDP_GEN.pack(gen))
         except BpfError as err:
             if err.errno != errno.E2BIG:          # what a full hash map answers a new key
                 raise

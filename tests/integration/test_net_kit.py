@@ -93,6 +93,8 @@ for line in sys.stdin:
             data, src = s.recvfrom(64); r = {"from": list(src)}
             try: s.sendto(b"answer", src); r["ok"] = True
             except OSError as e: r.update(err(e))
+        elif op == "udpsendto":   # one datagram from that socket to host:to, unasked (nothing is read first)
+            held[f"udp{q['port']}"].sendto(b"unasked", (q["host"], q["to"])); r = {"ok": True}
         elif op == "icmp":
             s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP); s.settimeout(q.get("timeout", 1))
             s.sendto(bytes([8, 0, 0xf7, 0xfe, 0, 1, 0, 0]), (q["host"], 0))

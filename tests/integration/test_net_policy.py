@@ -523,7 +523,7 @@ def test_a_publish_past_the_udp_published_map_s_size_is_a_limit(world, sandbox):
     is full a UDP publish is refused as the limit it is (the map's name and
     size), not as an I/O error, and leaves nothing behind: no DNAT, no port
     shown or recorded. A TCP port needs no entry and is still published."""
-    from dsecd.net.policy import _UDP_PORT
+    from dsecd.net.policy import _UDP_GEN, _UDP_PORT
 
     net = world.net
     a = sandbox()
@@ -531,7 +531,7 @@ def test_a_publish_past_the_udp_published_map_s_size_is_a_limit(world, sandbox):
     taken = sum(1 for _ in ports.keys())
     # Entries of sandbox keys no cgroup has (ids count up from 1), to fill the map.
     fillers = [_UDP_PORT.pack((1 << 62) + i, b"\0\1") for i in range(ports.max_entries - taken)]
-    ports.update_many([(k, b"\1") for k in fillers])
+    ports.update_many([(k, _UDP_GEN.pack(1)) for k in fillers])
     try:
         with pytest.raises(LimitExceeded, match="udp_published is full") as got:
             net.publish(a.name, 5353, protocol="udp")
@@ -589,7 +589,7 @@ def test_a_peer_left_in_udp_peers_is_not_answered_once_the_port_is_unpublished(w
     made here by hand."""
     import socket
 
-    from dsecd.net.policy import _FLOW
+    from dsecd.net.policy import _FLOW, _UDP_PORT
 
     net = world.net
     a = sandbox([])
@@ -608,15 +608,64 @@ def test_a_peer_left_in_udp_peers_is_not_answered_once_the_port_is_unpublished(w
     world.in_bridge_netns(send, 40010)
     assert a.ask(op="udpanswer", port=5353) == {"from": [gateway, 40010], "ok": True}
     key = net._sbs[a.name].cgroup_id
+    publication = net.engine.udp_published.lookup(_UDP_PORT.pack(key, (5353).to_bytes(2, "big")))
     net.unpublish(a.name, 5353, protocol="udp")
     leftover = _FLOW.pack(key, socket.inet_aton(gateway) + bytes(12), (40011).to_bytes(2, "big"),
                           (5353).to_bytes(2, "big"), 4)
-    net.engine.udp_peers.update(leftover, b"\1")
+    net.engine.udp_peers.update(leftover, publication)      # marked under the publication that was
     try:
         world.in_bridge_netns(send, 40011)
         assert a.ask(op="udpanswer", port=5353) == {"from": [gateway, 40011], "errno": "EPERM"}
     finally:
         net.engine.udp_peers.delete(leftover)
+
+
+def test_a_peer_marked_under_an_earlier_publication_is_not_answered_under_a_later_one(world, sandbox):
+    """A datagram whose dsec_ingress found the port published, and marked
+    its sender after the unpublish read `udp_peers`, leaves a mark behind.
+    Once the port is published again that mark must not let the sandbox
+    send to the peer: the peer wrote to an earlier publication, not to this
+    one. It is answered again once it writes to this one. The leftover is
+    made here as the race leaves it: the peer's own mark, read before the
+    unpublish and written back after it."""
+    import socket
+
+    from dsecd.net.policy import _FLOW
+
+    net = world.net
+    a = sandbox([])
+    own = net.show(a.name)["lease"]["ipv4"].split("/")[0]
+    gateway = f"10.{world.octet}.0.1"
+    assert a.ask(op="udpbind", port=5353) == {"ok": True}
+    net.publish(a.name, 5353, protocol="udp")
+    ip_transparent = getattr(socket, "IP_TRANSPARENT", 19)
+
+    def send(src_port: int) -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.setsockopt(socket.SOL_IP, ip_transparent, 1)
+            s.bind((gateway, src_port))
+            s.sendto(b"ask", (own, 5353))
+
+    world.in_bridge_netns(send, 40020)
+    assert a.ask(op="udpanswer", port=5353) == {"from": [gateway, 40020], "ok": True}
+    assert a.ask(op="udpsendto", port=5353, host=gateway, to=40020) == {"ok": True}     # a marked peer
+    peer = _FLOW.pack(net._sbs[a.name].cgroup_id, socket.inet_aton(gateway) + bytes(12),
+                      (40020).to_bytes(2, "big"), (5353).to_bytes(2, "big"), 4)
+    peers = net.engine.udp_peers
+    mark = peers.lookup(peer)
+    assert mark is not None
+    net.unpublish(a.name, 5353, protocol="udp")
+    assert peers.lookup(peer) is None
+    peers.update(peer, mark)
+    net.publish(a.name, 5353, protocol="udp")
+    try:
+        assert a.ask(op="udpsendto", port=5353, host=gateway, to=40020) == {"errno": "EPERM"}
+        world.in_bridge_netns(send, 40020)          # it writes to this publication: answered again
+        assert a.ask(op="udpanswer", port=5353) == {"from": [gateway, 40020], "ok": True}
+        assert a.ask(op="udpsendto", port=5353, host=gateway, to=40020) == {"ok": True}
+    finally:
+        net.unpublish(a.name, 5353, protocol="udp")
+    assert peers.lookup(peer) is None
 
 
 def test_an_unpublish_reads_the_full_udp_peer_map_in_batches(world, sandbox, monkeypatch):
@@ -627,7 +676,7 @@ def test_an_unpublish_reads_the_full_udp_peer_map_in_batches(world, sandbox, mon
     those peers and no others: not the sandbox's other port's, nor other
     sandboxes'."""
     from dsecd.net import bpfsys
-    from dsecd.net.policy import _FLOW
+    from dsecd.net.policy import _FLOW, _UDP_GEN
 
     net = world.net
     a = sandbox()
@@ -646,7 +695,7 @@ def test_an_unpublish_reads_the_full_udp_peer_map_in_batches(world, sandbox, mon
     # Another sandbox's peers fill the map; this one's go in last (an LRU drops the oldest).
     others = [flow((1 << 62) + i % 5, i, 7000) for i in range(peers.max_entries - 200)]
     own = [flow(key, i, 5353 + i % 2) for i in range(200)]
-    peers.update_many([(k, b"\1") for k in others + own])
+    peers.update_many([(k, _UDP_GEN.pack(1)) for k in others + own])
     try:
         kept, other_count = theirs(5354), sum(1 for k in peers.keys() if _FLOW.unpack_from(k)[0] != key)
         assert theirs(5353) > 0 and kept > 0 and other_count > peers.max_entries // 2
