@@ -208,7 +208,7 @@ def forget_connections(ns_path: str | None, host_port: int, sb_addr: str, port: 
     return _forget(ns_path, [NFCTAttrTuple(proto=PROTOCOLS[proto], dport=int(host_port))], ours)
 
 
-def forget_address(ns_path: str | None, address: str) -> int:
+def forget_address(ns_path: str | None, address: str, ipv6: Ipv6Forgets | None = None) -> int:
     """Delete the conntrack entries of the netns for every connection of a
     sandbox's `address` (IPv4, or its IPv6 one with net.ipv6_subnet): what it
     opened (masqueraded out of the uplink, or to the host side) and what was
@@ -224,32 +224,87 @@ def forget_address(ns_path: str | None, address: str) -> int:
     comparison (ctnetlink_filter_match_tuple tests `!ipv6_addr_cmp`, so it
     passes every entry but the address's, seen on 6.18), which would find
     none of them. That dump is read with ctdump (pyroute2 decodes every
-    attribute of every entry: ~0.4 ms per entry of the table)."""
+    attribute of every entry: ~0.4 ms per entry of the table), and shared
+    with concurrent callers through `ipv6`, the netns' Ipv6Forgets."""
     from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
     addr = ipaddress.ip_address(address)
     if addr.version == 6:
-        return _forget_ipv6(ns_path, addr.packed)
+        if ipv6 is not None:
+            return ipv6.forget(addr.packed)
+        return _forget_ipv6(ns_path, {addr.packed})[addr.packed]
     return _forget(ns_path, [NFCTAttrTuple(saddr=str(addr)), NFCTAttrTuple(daddr=str(addr))],
                    lambda _entry: True)
 
 
-def _forget_ipv6(ns_path: str | None, packed: bytes) -> int:
+def _forget_ipv6(ns_path: str | None, addresses: set[bytes]) -> dict[bytes, int]:
     """Delete the IPv6 entries of the netns' table whose original direction
-    is from or to the address `packed` (16 bytes); how many."""
+    is from or to one of `addresses` (packed, 16 bytes each), in one dump of
+    the table; how many of each address's."""
+    # Few addresses: a substring search per message skips the parse of most.
+    # Many: each message is parsed (a few us) rather than searched for each.
+    containing = next(iter(addresses)) if len(addresses) == 1 else b""
+    counts = dict.fromkeys(addresses, 0)
     with _maybe_netns(ns_path):
         s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_NETFILTER)
     try:
         with ctdump.CtSocket(s) as ct:
-            n = 0
-            for entry in ct.dump(socket.AF_INET6, containing=packed):
-                if packed in (entry.src, entry.dst) and ct.delete(socket.AF_INET6, entry):
-                    n += 1
-            return n
+            for entry in ct.dump(socket.AF_INET6, containing=containing):
+                addr = entry.src if entry.src in counts else entry.dst if entry.dst in counts else None
+                if addr is not None and ct.delete(socket.AF_INET6, entry):
+                    counts[addr] += 1
+        return counts
     except ctdump.CtError as err:
         raise NatError(err.errno, str(err)) from err
     finally:
         s.close()
+
+
+class Ipv6Forgets:
+    """forget_address for IPv6 addresses of one netns, with the dumps of
+    concurrent callers shared: the IPv6 table is read whole for any address
+    (forget_address says why), so a mass destroy, its workers each asking
+    for one address, would read it once per sandbox. A caller that finds no
+    dump running takes every address asked for so far and does one dump for
+    them all; the others wait for the dump that has their address. So at most
+    one dump runs, and a request waits for at most the one running and its
+    own."""
+
+    def __init__(self, ns_path: str | None):
+        self.ns_path = ns_path
+        self._cond = threading.Condition()
+        self._asked: dict[bytes, list[list]] = {}     # address -> its callers' [done, count, error]
+        self._dumping = False
+        self.dumps = 0                                 # for tests: dumps done
+
+    def forget(self, packed: bytes) -> int:
+        """Delete the entries of the IPv6 address `packed`; how many (NatError
+        if the dump it was part of failed)."""
+        mine = [False, 0, None]
+        with self._cond:
+            self._asked.setdefault(packed, []).append(mine)
+            while not mine[0]:
+                if self._dumping:
+                    self._cond.wait()
+                    continue
+                batch, self._asked = self._asked, {}
+                self._dumping = True
+                self._cond.release()
+                try:
+                    counts, error = _forget_ipv6(self.ns_path, set(batch)), None
+                except BaseException as err:   # every caller of the batch gets it
+                    counts, error = {}, err
+                finally:
+                    self._cond.acquire()
+                    self._dumping = False
+                    self.dumps += 1
+                for addr, callers in batch.items():
+                    for caller in callers:
+                        caller[:] = [True, counts.get(addr, 0), error]
+                self._cond.notify_all()
+        if mine[2] is not None:
+            raise mine[2]
+        return mine[1]
 
 
 def _forget(ns_path: str | None, filters: list, wanted, family: int = socket.AF_INET) -> int:

@@ -48,7 +48,7 @@ from ..journal import RecordLog
 from ..protocol import check_protocol
 from . import rules as R
 from .ipam import Ipam, Lease
-from .nat import HostNat, NatError, delete_table, forget_address, table_name
+from .nat import HostNat, Ipv6Forgets, NatError, delete_table, forget_address, table_name
 from .plumbing import BridgeSpec, Plumbing, host_ifname, in_netns, netns_path, vm_ifname, vm_mac
 from .policy import Engine
 from .pool import NetnsPool, Ready
@@ -158,6 +158,9 @@ class Network:
             name=cfg["bridge"], mtu=int(cfg["mtu"]), host_netns=cfg.get("host_netns", ""),
             gateway4=f"{self.ipam.gateway4}/{self.ipam.subnet.prefixlen}", gateway6=gw6,
             sandbox_ifname=cfg.get("sandbox_ifname", "eth0")))
+        # A destroy's IPv6 conntrack entries: one dump of the table for the
+        # destroys running at once (nat.Ipv6Forgets).
+        self._ipv6_forgets = Ipv6Forgets(self.plumbing.ns_path)
         self.engine = Engine.shared(max_sandboxes, int(cfg["max_prefixes"]), int(cfg["max_counters"]),
                                     bpf_cache_dir(cfg, state_dir))
         self.engine.set_level(self.level)
@@ -614,7 +617,7 @@ class Network:
         first = None
         for addr in addrs:
             try:
-                n = forget_address(self.plumbing.ns_path, str(addr))
+                n = forget_address(self.plumbing.ns_path, str(addr), self._ipv6_forgets)
             except Exception as err:        # the other family's entries still go
                 first = first or err
                 continue

@@ -3,10 +3,14 @@ nat.forget_address for IPv6), against a real table in a test-owned netns."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import errno
+import ipaddress
 import os
 import secrets
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -82,3 +86,56 @@ def test_a_delete_of_an_entry_gone_meanwhile_is_no_error(netns):
         assert [ct.delete(socket.AF_INET, e) for e in entries] == [True, True]
         assert [ct.delete(socket.AF_INET, e) for e in entries] == [False, False]
     assert _table(netns, socket.AF_INET) == set()
+
+
+def _hold_first_dump_until(monkeypatch, forgets: nat.Ipv6Forgets, queued: int, fail: bool = False) -> list:
+    """The first dump of `forgets` starts once `queued` other addresses wait
+    for the next one (or fails, with `fail`); the address sets of each dump."""
+    real, seen = nat._forget_ipv6, []
+
+    def held(ns_path, addresses):
+        seen.append(set(addresses))
+        if len(seen) == 1:
+            while True:
+                with forgets._cond:
+                    if len(forgets._asked) >= queued:
+                        break
+                time.sleep(0.005)
+            if fail:
+                raise nat.NatError(errno.EPERM, "conntrack: refused")
+        return real(ns_path, addresses)
+
+    monkeypatch.setattr(nat, "_forget_ipv6", held)
+    return seen
+
+
+def test_concurrent_ipv6_forgets_share_one_dump_and_each_gets_its_count(netns, monkeypatch):
+    addrs = [f"fd00::{i + 1:x}" for i in range(6)]
+    _add(netns, [(a, "fd01::1", 7000 + 10 * i + k) for i, a in enumerate(addrs) for k in range(i + 1)]
+         + [("fd00::99", "fd01::1", 7999)])
+    forgets = nat.Ipv6Forgets(netns)
+    dumps = _hold_first_dump_until(monkeypatch, forgets, queued=5)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        first = pool.submit(nat.forget_address, netns, addrs[0], forgets)
+        while not dumps:
+            time.sleep(0.005)
+        rest = [pool.submit(nat.forget_address, netns, a, forgets) for a in addrs[1:]]
+        counts = [first.result(30)] + [f.result(30) for f in rest]
+    assert counts == [1, 2, 3, 4, 5, 6]
+    assert forgets.dumps == 2 and dumps[1] == {ipaddress.ip_address(a).packed for a in addrs[1:]}
+    assert _table(netns, socket.AF_INET6) == {("fd00::99", "fd01::1", 7999)}
+
+
+def test_a_failed_shared_dump_fails_every_caller_it_served_and_no_later_one(netns, monkeypatch):
+    _add(netns, [("fd00::1", "fd01::1", 8000), ("fd00::2", "fd01::1", 8001)])
+    forgets = nat.Ipv6Forgets(netns)
+    dumps = _hold_first_dump_until(monkeypatch, forgets, queued=1, fail=True)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(nat.forget_address, netns, "fd00::1", forgets)
+        while not dumps:
+            time.sleep(0.005)
+        second = pool.submit(nat.forget_address, netns, "fd00::2", forgets)
+        with pytest.raises(nat.NatError, match="refused"):
+            first.result(30)
+        assert second.result(30) == 1          # its own dump, after the failed one
+    assert nat.forget_address(netns, "fd00::1", forgets) == 1
