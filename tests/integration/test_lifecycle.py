@@ -1,6 +1,7 @@
 """Create/destroy lifecycle, daemon restarts (SIGTERM and kill -9), and leaks."""
 
 import os
+import re
 import signal
 import subprocess
 import tarfile
@@ -202,8 +203,8 @@ def test_a_new_userns_base_never_overlaps_a_live_sandboxs_ids(fresh):
     first = _host_uid_base(kept)
     c.close()
     fresh.stop(signal.SIGTERM)
-    fresh.config.write_text(fresh.config.read_text().replace(
-        "[sandbox]\n", f"[sandbox]\nuserns_base = {first - 32768}\n", 1))      # half a range lower
+    fresh.config.write_text(re.sub(r"(?m)^userns_base = \d+$", f"userns_base = {first - 32768}",
+                                   fresh.config.read_text(), count=1))      # half a range lower
     fresh.start()
     c = fresh.client()
     assert c.info()["userns"]["foreign"] == 1
