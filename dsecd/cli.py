@@ -230,7 +230,8 @@ async def cmd_info(c: Client, a) -> int:
         f = info["fncall"]
         print(f"fncall: {f['calls']} calls ({f['zygote_calls']} zygote, {f['plain_calls']} plain, "
               f"{f.get('plain_calls_by_init', 0)} of them forked by init), "
-              f"{f['inflight']} in flight, zygotes started {f['zygotes_started']} replaced {f['zygotes_replaced']}")
+              f"{f['inflight']} in flight, zygotes started {f['zygotes_started']} replaced {f['zygotes_replaced']}, "
+              f"{f.get('dropped_for_creates', 0)} call sandboxes dropped for creates")
     for why in info.get("unread", []):
         print(f"not read: {why}")
     return 0

@@ -330,7 +330,9 @@ class NodeCollector:
         for name, key, doc in (("dsecd_call_busy", "busy", "FnCalls refused busy: fncall.max_inflight or "
                                 "fncall.max_boxes reached, or no call sandbox admitted on a full host"),
                                ("dsecd_zygotes_started", "zygotes_started", "Zygotes started"),
-                               ("dsecd_zygotes_replaced", "zygotes_replaced", "Zygotes replaced")):
+                               ("dsecd_zygotes_replaced", "zygotes_replaced", "Zygotes replaced"),
+                               ("dsecd_call_sandboxes_dropped_for_creates", "dropped_for_creates",
+                                "Idle call sandboxes dropped to make room for a create on a full host")):
             c = _counter(name, doc)
             c.add_metric([], f.get(key, 0))
             yield c

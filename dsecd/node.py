@@ -210,6 +210,9 @@ class Node:
                                         CallService.sizes_from(cfg), sb["cpu_period_us"], self.image_service,
                                         self.cpu, self.workers, self.starter, exec_limits, self._devnull,
                                         self.id_ranges, self.create_service)
+        # Creates on a host whose room idle call sandboxes hold drop them
+        # (CreateService._room); calls.py depends on creates.py, not back.
+        self.create_service.reclaim_idle_calls = self.call_service.drop_idle_for_create
         self._cpu_task: asyncio.Task | None = None
         self.started = time.time()
         self.default_memory = parse_size(sb["memory"])

@@ -3,7 +3,8 @@
 The mechanism is dsecd/backends/fncall.py.
 One call sandbox per image, made on the first call and kept until no call
 used it for [fncall] idle_ttl_s, or until it is the idle one used least
-recently when another image needs one past [fncall] max_boxes; in it, when
+recently when another image needs one past [fncall] max_boxes or a create
+needs the room it holds on a full host (drop_idle_for_create); in it, when
 the image has python3, one zygote. Routing:
 
 - `code`, or argv `python3 -c CODE ARGS...`: forked from the zygote (the
@@ -78,6 +79,10 @@ CLEANUP_RETRY_S = CLEANUP_RETRY_MS / 1000      # the zygote's pace for leftovers
 # a cgroup that would not go) is destroyed again: first this many seconds
 # later, then twice as long each time, up to the second figure.
 DESTROY_RETRY_S = (1.0, 60.0)
+# The longest a create waits for the idle call sandboxes dropped for it to
+# be destroyed (drop_idle_for_create); a destroy takes milliseconds, one
+# that failed is tried again DESTROY_RETRY_S later.
+DROP_WAIT_S = 5.0
 
 
 def fncall_backend(cfg, layout: cgroup.Layout, containers) -> FnCallBackend:
@@ -128,7 +133,7 @@ class CallService:
         if images is not None:
             images.images.changed.append(self._image_changed)
         self.call_stats = {"calls": 0, "inflight": 0, "zygote_calls": 0, "plain_calls": 0, "plain_calls_by_init": 0,
-                           "zygotes_started": 0, "zygotes_replaced": 0, "busy": 0}
+                           "zygotes_started": 0, "zygotes_replaced": 0, "busy": 0, "dropped_for_creates": 0}
 
     @staticmethod
     def sizes_from(cfg) -> dict:
@@ -185,6 +190,30 @@ class CallService:
             if drop is not None:
                 drops.append(drop)
         return drops
+
+    async def drop_idle_for_create(self, enough) -> bool:
+        """Room for a create the host has none for (CreateService._room):
+        the idle call sandboxes (no call claims them), least recently used
+        first, as few as `enough(ids)` says make the room were those ids
+        destroyed. They leave call_boxes at once (the next call of their
+        image makes a new one, admitted as any), and this waits until they
+        are destroyed and their holdings given back, or DROP_WAIT_S at most
+        (a destroy that fails keeps them held while it is tried again).
+        False, dropping none, when even every idle one would not make room."""
+        idle = sorted((b for b in self.call_boxes.values() if not b.claims), key=lambda b: b.last_used)
+        chosen: list[CallBox] = []
+        for box in idle:
+            chosen.append(box)
+            if enough([b.id for b in chosen]):
+                break
+        else:
+            return False
+        drops = [drop for b in chosen if (drop := self._retire(b, "room for a create on a full host")) is not None]
+        self.call_stats["dropped_for_creates"] += len(chosen)
+        if drops:
+            # asyncio.wait: a cancel of the create stops no drop.
+            await asyncio.wait(drops, timeout=DROP_WAIT_S)
+        return True
 
     async def close(self) -> None:
         self._closing.set()

@@ -105,6 +105,10 @@ DRAIN_RETRY_AFTER_S = 60.0
 BUILD_LABEL = "dsec.build"       # on every build sandbox (engine/builds.py): the image being built
 
 
+# How often a create drops idle call sandboxes for room that others took
+# before it was back (CreateService._room), before it is refused.
+RECLAIM_TRIES = 3
+
 REFILL_BACKOFF_MIN_S = 1.0
 REFILL_BACKOFF_MAX_S = 60.0
 
@@ -261,6 +265,10 @@ class CreateService:
         self._refills: set[asyncio.Task] = set()
         # key -> create_args_digest of the create under way that took it.
         self._key_args_creating: dict[str, str] = {}
+        # Set by whoever builds the services (dsecd/node.py: CallService.drop_idle_for_create):
+        # async (enough) -> bool, dropping idle call sandboxes for a create
+        # the host has no room for (_room). None: none are dropped.
+        self.reclaim_idle_calls = None
         if images is not None:
             images.images.changed.append(self._image_changed)
 
@@ -444,7 +452,7 @@ class CreateService:
         if taken is not None:
             return taken
         queue = self.admission
-        full = self._full_with_queued()
+        full = await self._room(lambda gone: self._full_with_queued(len(gone)))
         if full is not None:
             raise queue.reject(*full)
         async with queue.slot(req.labels.get("job", "")) as waited:
@@ -839,17 +847,45 @@ class CreateService:
             raise BadRequest(f"disk must be between 1M and 1P, got {size} bytes")
         return upperfs.Cap(size, self.sb_defaults["disk_inodes"])
 
-    def _admit(self) -> None:
-        live = self.registry.live_count()
+    def _admit(self, limits: cgroup.Limits, ls: bool, gone: tuple[str, ...] = ()) -> Busy | None:
+        """Why a sandbox of `limits` is not admitted now (None: it is): the
+        host is full (limits.max_sandboxes), or its CPU or memory would pass
+        the host's capacity with it. `gone`: as if the call sandboxes of
+        these ids were destroyed."""
+        live = self.registry.live_count() - len(gone)
         cap = self.limits["max_sandboxes"]
         if live >= cap:
-            raise Busy(f"host is full: {live} sandboxes of max {cap}; retry later or on another host",
-                       {"sandboxes": live, "max": cap})
+            return Busy(f"host is full: {live} sandboxes of max {cap}; retry later or on another host",
+                        {"sandboxes": live, "max": cap})
+        try:
+            self.cpu.admit(self.registry.requested(gone), limits.cpu, limits.memory_bytes, ls=ls)
+        except Busy as err:
+            return err
+        return None
 
-    def _full_with_queued(self) -> tuple[str, dict] | None:
+    async def _room(self, refusal):
+        """`refusal(gone)`: why the host has no room for a create were the
+        call sandboxes of ids `gone` destroyed (None: it has room). Where it
+        has none now but idle call sandboxes hold what is missing, the least
+        recently used of them go, as few as make the room, and the create
+        waits until they are destroyed (reclaim_idle_calls); tried again
+        while that drops some, since a create or call may take the room
+        freed before this one is back. What refuses the create then, or
+        None. The call sandboxes are only looked at on a host with no room."""
+        why = refusal(())
+        for _ in range(RECLAIM_TRIES):
+            if why is None or self.reclaim_idle_calls is None or not self.registry.requested().call_sandboxes:
+                break
+            if not await self.reclaim_idle_calls(lambda ids: refusal(tuple(ids)) is None):
+                break
+            why = refusal(())
+        return why
+
+    def _full_with_queued(self, gone: int = 0) -> tuple[str, dict] | None:
         """(message, detail) of `busy` when the live sandboxes and the creates
-        queued for a slot reach limits.max_sandboxes, else None."""
-        live, cap, queued = self.registry.live_count(), self.limits["max_sandboxes"], self.admission.queued
+        queued for a slot reach limits.max_sandboxes, else None; `gone`: as if
+        that many call sandboxes were destroyed."""
+        live, cap, queued = self.registry.live_count() - gone, self.limits["max_sandboxes"], self.admission.queued
         if live + queued < cap:
             return None
         return (f"host is full: {live} sandboxes and {queued} queued creates of max {cap}; "
@@ -864,7 +900,8 @@ class CreateService:
         the host's capacity with it. Not refused by a drain, nor by the LS
         rule on recent load (`cpu.ls_max_load`): calls in flight come and go
         in seconds, and a call sandbox is dropped when idle
-        (fncall.idle_ttl_s). The creates queued for a slot count against
+        (fncall.idle_ttl_s), and at once for a create that needs the room
+        it holds (_room). The creates queued for a slot count against
         limits.max_sandboxes, as they do for a new create: a call sandbox
         takes no slot a queued create was let in for."""
         full = self._full_with_queued()
@@ -1073,8 +1110,9 @@ class CreateService:
         check_platform(req.image, image)
         if backend == "microvm":
             self.vms.check_layers(req.image, image.layer_digests)
-        self._admit()
-        self.cpu.admit(self.registry.requested(), limits.cpu, limits.memory_bytes, ls=plan.qos == qos.LS)
+        refused = await self._room(functools.partial(self._admit, limits, plan.qos == qos.LS))
+        if refused is not None:
+            raise refused
         sb_id = secrets.token_hex(6)
         hostname = req.hostname or f"sb-{sb_id}"
         check_hostname(hostname)

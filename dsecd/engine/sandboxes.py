@@ -337,10 +337,16 @@ class SandboxRegistry:
     def live_count(self) -> int:
         return len(self._counted)
 
-    def requested(self) -> Requested:
-        """What the live sandboxes ask for, summed (no scan)."""
-        return Requested(cpu=float(self._cpu), memory=self._memory, sandboxes=len(self._counted),
-                         call_sandboxes=len(self._held))
+    def requested(self, without: tuple[str, ...] = ()) -> Requested:
+        """What the live sandboxes ask for, summed (no scan); `without`: as
+        if the call sandboxes held under those keys were released."""
+        cpu, memory, gone = self._cpu, self._memory, 0
+        for key in without:
+            if key in self._held:
+                c, m = self._counted[key]
+                cpu, memory, gone = cpu - c, memory - m, gone + 1
+        return Requested(cpu=float(cpu), memory=memory, sandboxes=len(self._counted) - gone,
+                         call_sandboxes=len(self._held) - gone)
 
     def save(self, sb: Sandbox) -> None:
         # A record is one line appended to the log (dsecd/journal.py): cheap

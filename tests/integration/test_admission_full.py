@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import random
+import time
+
 import pytest
 
 from dsecd.errors import Busy
+
+# Ids of their own for the tests' call sandboxes: a plain call's end kills
+# what runs under its uid on the host, and other daemons running tests on
+# the host start from the same ranges (sandbox.userns_base).
+OWN_IDS = f"[sandbox]\nuserns_base = {1_000_000_000 + 65536 * random.randrange(1, 20000)}\n"
 
 
 def test_admission_is_full_once_the_host_holds_max_sandboxes(daemon_factory, busybox_rootfs):
@@ -32,7 +41,7 @@ def test_a_call_sandbox_takes_a_slot_and_the_capacity_it_asks_for(daemon_factory
     """A call sandbox (one per image, made by the image's first call) is a
     sandbox of the host: it takes a slot of limits.max_sandboxes and counts
     its [fncall] cpu and memory. On a full host the call that would make
-    one is busy; once it is made, a create past the limit is."""
+    one is busy."""
     d = daemon_factory("[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\n")
     c = d.client()
     try:
@@ -45,8 +54,6 @@ def test_a_call_sandbox_takes_a_slot_and_the_capacity_it_asks_for(daemon_factory
         adm = c.info()["cpu"]["admission"]
         assert adm["sandboxes"] == {"live": 1, "call_sandboxes": 1, "queued": 0, "max": 1}, adm
         assert (adm["cpu"]["requested"], adm["memory"]["requested"]) == (0.5, 96 << 20), adm
-        with pytest.raises(Busy, match="host is full"):
-            c.create(image="busybox", memory="64M")
     finally:
         c.close()
 
@@ -54,7 +61,7 @@ def test_a_call_sandbox_takes_a_slot_and_the_capacity_it_asks_for(daemon_factory
 def test_a_call_sandbox_past_the_hosts_memory_capacity_is_busy(daemon_factory, busybox_rootfs):
     """With memory oversubscription set, a call sandbox whose [fncall]
     memory does not fit beside the live sandboxes' is refused, as a create
-    would be; the sandboxes' memory counts against calls and back."""
+    would be."""
     mem_total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo")
                      if line.startswith("MemTotal:"))
     d = daemon_factory(f"[cpu]\nmemory_oversubscription = {(300 << 20) / mem_total!r}\n"
@@ -67,8 +74,6 @@ def test_a_call_sandbox_past_the_hosts_memory_capacity_is_busy(daemon_factory, b
             c.call("busybox", argv=["true"])
         sb.destroy()
         assert c.call("busybox", argv=["true"]).exit_code == 0
-        with pytest.raises(Busy, match="host at capacity for memory"):
-            c.create(image="busybox", memory="150M")
     finally:
         c.close()
 
@@ -90,5 +95,91 @@ def test_a_call_evicting_an_idle_call_sandbox_on_a_full_host_takes_its_slot(daem
         assert [b["image"] for b in boxes] == ["busybox2"], boxes
         adm = c.info()["cpu"]["admission"]
         assert adm["sandboxes"] == {"live": 2, "call_sandboxes": 1, "queued": 0, "max": 2}, adm
+    finally:
+        c.close()
+
+
+def test_a_create_on_a_host_an_idle_call_sandbox_filled_takes_its_slot(daemon_factory, busybox_rootfs):
+    """A create refused only for the room an idle call sandbox holds drops
+    it, waits until it is destroyed, and takes its slot; info counts the
+    drop, and the image's next call needs room of its own again."""
+    d = daemon_factory(OWN_IDS + "[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\nzygote = false\n")
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        assert c.call("busybox", argv=["echo", "hi"]).stdout == b"hi\n"
+        c.create(image="busybox", memory="64M")
+        info = c.info()
+        assert info["fncall"]["boxes"] == [] and info["fncall"]["dropped_for_creates"] == 1, info["fncall"]
+        assert info["cpu"]["admission"]["sandboxes"] == {"live": 1, "call_sandboxes": 0, "queued": 0, "max": 1}
+        assert b"1 call sandboxes dropped for creates" in d.cli("info").stdout
+        with pytest.raises(Busy, match="host is full"):
+            c.call("busybox", argv=["true"])
+    finally:
+        c.close()
+
+
+def test_a_create_on_a_full_host_leaves_a_call_sandbox_with_a_call_in_flight(daemon_factory, busybox_rootfs):
+    """A call sandbox with a call running is not dropped for a create: the
+    create is refused as on any full host, and the call ends as it would."""
+    d = daemon_factory(OWN_IDS + "[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\nzygote = false\n")
+    c = d.client()
+    caller = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(caller.call, "busybox", argv=["sh", "-c", "sleep 3; echo done"])
+            while not any(b["running"] for b in c.info()["fncall"]["boxes"]):     # in its call sandbox
+                assert not running.done(), running.result()
+                time.sleep(0.02)
+            assert c.info()["cpu"]["admission"]["full_on"] == "sandboxes"
+            with pytest.raises(Busy, match="host is full"):
+                c.create(image="busybox", memory="64M")
+            r = running.result()
+            assert r.stdout == b"done\n", r
+        info = c.info()["fncall"]
+        assert [b["image"] for b in info["boxes"]] == ["busybox"] and info["dropped_for_creates"] == 0, info
+    finally:
+        caller.close()
+        c.close()
+
+
+def test_a_create_past_the_memory_an_idle_call_sandbox_holds_drops_it(daemon_factory, busybox_rootfs):
+    """Past the host's memory capacity, as at limits.max_sandboxes: the
+    idle call sandbox goes and the create is admitted; a create that would
+    not fit even without it is refused, and drops nothing."""
+    mem_total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo")
+                     if line.startswith("MemTotal:"))
+    d = daemon_factory(f"{OWN_IDS}[cpu]\nmemory_oversubscription = {(300 << 20) / mem_total!r}\n"
+                       "[fncall]\nmemory = \"200M\"\nzygote = false\n")
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        c.create(image="busybox", memory="100M")
+        assert c.call("busybox", argv=["true"]).exit_code == 0
+        with pytest.raises(Busy, match="host at capacity for memory"):
+            c.create(image="busybox", memory="250M")
+        assert [b["image"] for b in c.info()["fncall"]["boxes"]] == ["busybox"]
+        c.create(image="busybox", memory="150M")
+        info = c.info()["fncall"]
+        assert info["boxes"] == [] and info["dropped_for_creates"] == 1, info
+    finally:
+        c.close()
+
+
+def test_a_pool_refill_on_a_host_an_idle_call_sandbox_filled_takes_its_slot(daemon_factory, busybox_rootfs):
+    """A warm pool's refill goes through a create's admission: the idle
+    call sandbox filling the host goes, and the spare is made."""
+    d = daemon_factory(OWN_IDS + "[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\nzygote = false\n")
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        assert c.call("busybox", argv=["true"]).exit_code == 0
+        name = c.pool_set("busybox", 1, 1, cpu=0.5, memory="64M")["name"]
+        while not ((pool := next(p for p in c.pool_list() if p["name"] == name))["ready"] or pool["error"]):
+            time.sleep(0.05)
+        assert (pool["ready"], pool["error"]) == (1, None), pool
+        info = c.info()["fncall"]
+        assert info["boxes"] == [] and info["dropped_for_creates"] == 1, info
     finally:
         c.close()

@@ -105,3 +105,61 @@ def test_a_call_refused_by_a_full_host_counts_as_busy():
             return node.call_stats["busy"]
 
     assert asyncio.run(go()) == 1
+
+
+def test_idle_call_sandboxes_go_for_a_create_once_and_never_serve_a_call_again():
+    """A create on a full host drops the idle call sandbox used least
+    recently (drop_idle_for_create), never one a call claims, and waits for
+    its destroy; a second create at the same time does not count the same
+    one (none is left for it: it drops nothing); a call of the dropped
+    one's image arriving meanwhile gets a new call sandbox."""
+    image = SimpleNamespace(layer_digests=["sha256:l1"], config={}, source=None)
+    store = SimpleNamespace(get=lambda name: image, changed=[], key=lambda name: name)
+    images = SimpleNamespace(images=store, layers=SimpleNamespace(acquire=lambda digests: [],
+                                                                  release=lambda digests: None))
+    destroying, go_on = threading.Event(), threading.Event()
+    destroyed: list[str] = []
+
+    class FnCall:
+        def create_box(self, box_id, lowerdirs, limits, plan, idmap):
+            return SimpleNamespace(box=box_id)
+
+        def mqueue_dir(self, handle):
+            return -1
+
+        def destroy_box(self, box_id, handle):
+            destroying.set()
+            go_on.wait(10)
+            destroyed.append(box_id)
+
+    ranges = SimpleNamespace(take=lambda: "range", give_back=lambda idmap: None)
+    held: dict[str, tuple] = {}
+    capacity = SimpleNamespace(hold_call_sandbox=lambda box_id, cpu, memory: held.setdefault(box_id, (cpu, memory)),
+                               release_call_sandbox=lambda box_id: held.pop(box_id))
+
+    async def go():
+        with workers_on_loop() as workers:
+            limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
+            node = CallService(FnCall(), {"cpu": 1, "memory": "64M", "pids": 64, "qos": "be", "uid_base": 60000,
+                                          "uid_count": 4, "max_boxes": 0}, {}, 100_000, images,
+                               SimpleNamespace(plan=lambda qos: None), workers, ProcessStarter(workers), limits, -1,
+                               ranges, capacity)
+            old = await node._call_box("old")
+            claimed = await node._call_box("claimed")       # a call in flight
+            newer = await node._call_box("newer")
+            old.claims -= 1
+            newer.claims -= 1
+            old.last_used, newer.last_used = 1.0, 2.0
+            first = asyncio.ensure_future(node.drop_idle_for_create(lambda ids: len(ids) >= 1))
+            second = asyncio.ensure_future(node.drop_idle_for_create(lambda ids: len(ids) >= 2))
+            await asyncio.get_running_loop().run_in_executor(None, destroying.wait, 10)
+            again = await node._call_box("old")      # a call of the dropped one's image, while it goes
+            assert again is not old and again.id != old.id
+            go_on.set()
+            return old, claimed, newer, again, await first, await second, node
+
+    old, claimed, newer, again, first, second, node = asyncio.run(go())
+    assert (first, second) == (True, False)
+    assert destroyed == [old.id] and set(held) == {claimed.id, newer.id, again.id}
+    assert node.call_boxes == {"claimed": claimed, "newer": newer, "old": again}
+    assert node.call_stats["dropped_for_creates"] == 1
