@@ -151,11 +151,13 @@ def live_sandboxes(info: dict) -> int:
 
 
 def call_sandboxes(info: dict) -> int:
-    """FnCall's call sandboxes of a host's `info`: not in its `sandboxes`,
-    yet each takes a slot of limits.max_sandboxes (0 from a daemon that
-    did not count them)."""
+    """FnCall's call sandboxes of a host's `info` with a call in flight:
+    not in its `sandboxes`, yet each takes a slot of limits.max_sandboxes
+    (0 from a daemon that did not count them). Idle ones are not counted:
+    a create drops them for its room."""
     adm = (info.get("cpu") or {}).get("admission") or {}
-    return (adm.get("sandboxes") or {}).get("call_sandboxes") or 0
+    idle = (adm.get("idle_call_sandboxes") or {}).get("sandboxes") or 0
+    return ((adm.get("sandboxes") or {}).get("call_sandboxes") or 0) - idle
 
 
 class FleetHost:
@@ -260,10 +262,13 @@ class FleetHost:
         adm = self.info.get("cpu", {}).get("admission", {})
         shares = []
         cpu, mem = adm.get("cpu", {}), adm.get("memory", {})
+        idle = adm.get("idle_call_sandboxes") or {}     # a create drops them for its room
         if cpu.get("capacity"):
-            shares.append((cpu.get("requested", 0) + self.extra.cpu + shape.cpu) / cpu["capacity"])
+            shares.append((cpu.get("requested", 0) - idle.get("cpu", 0) + self.extra.cpu + shape.cpu)
+                          / cpu["capacity"])
         if mem.get("capacity"):
-            shares.append((mem.get("requested", 0) + self.extra.memory + shape.memory) / mem["capacity"])
+            shares.append((mem.get("requested", 0) - idle.get("memory", 0) + self.extra.memory + shape.memory)
+                          / mem["capacity"])
         slots = self.info.get("limits", {}).get("max_sandboxes")
         userns = self.info.get("userns") or {}
         if userns.get("enabled"):

@@ -378,10 +378,12 @@ class Node:
     def cpu_info(self) -> dict:
         """CPU figures and the admission state (info's `cpu`, the metrics'),
         counting everything a create meets: a drain, CPU, memory and the number
-        of sandboxes (the live ones and the creates queued, as a create counts them)."""
+        of sandboxes (the live ones and the creates queued, as a create counts them;
+        the idle call sandboxes a create would drop apart)."""
         return self.cpu.info(self.registry.requested(), self.sb_defaults["cpu"], self.default_memory,
                              self.limits["max_sandboxes"], self.create_service.admission.queued,
-                             self.create_service.drained is not None)
+                             self.create_service.drained is not None,
+                             self.registry.held(self.call_service.idle_ids()))
 
     def status_line(self, connections: int) -> str:
         """One line for systemd's STATUS= (`systemctl status dsecd`)."""

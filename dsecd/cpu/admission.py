@@ -87,7 +87,7 @@ def never_fits(cap: Capacity, cpu: float, memory: int, ls: bool = False) -> dict
 
 
 def state(cap: Capacity, req: Requested, probe_cpu: float, probe_memory: int, max_sandboxes: int | None = None,
-          queued: int = 0, drained: bool = False) -> dict:
+          queued: int = 0, drained: bool = False, idle: Requested | None = None) -> dict:
     """The admission figures for `dsec info`: "open" while a sandbox of the
     default size still fits, else "full" and why: "drain" while the host is
     drained (`dsec drain`: no create makes a sandbox or takes a pool's; a
@@ -97,16 +97,22 @@ def state(cap: Capacity, req: Requested, probe_cpu: float, probe_memory: int, ma
     refused as the host is full, whatever CPU and memory are left; one a
     warm pool's spare answers is still taken, as it adds no sandbox), else
     "cpu" or "memory". `live` counts the call sandboxes too
-    (`call_sandboxes` of them)."""
+    (`call_sandboxes` of them). `idle`: what the idle call sandboxes (no
+    call in flight) of `req` hold: a create the host has no room for drops
+    them (engine/creates.py _room), so the state is the host's without
+    them, and `idle_call_sandboxes` says what they hold."""
+    idle = idle or Requested()
+    free = Requested(req.cpu - idle.cpu, req.memory - idle.memory, req.sandboxes - idle.sandboxes)
     if drained:
         why = {"resource": "drain"}
-    elif max_sandboxes is not None and req.sandboxes + queued >= max_sandboxes:
+    elif max_sandboxes is not None and free.sandboxes + queued >= max_sandboxes:
         why = {"resource": "sandboxes"}
     else:
-        why = refusal(cap, req, probe_cpu, probe_memory)
+        why = refusal(cap, free, probe_cpu, probe_memory)
     return {"state": "full" if why else "open", "full_on": why["resource"] if why else None,
             "sandboxes": {"live": req.sandboxes, "call_sandboxes": req.call_sandboxes, "queued": queued,
                           "max": max_sandboxes},
+            "idle_call_sandboxes": {"sandboxes": idle.sandboxes, "cpu": round(idle.cpu, 3), "memory": idle.memory},
             "cpu": {"requested": round(req.cpu, 3), "capacity": cap.cpu, "ratio": cap.cpu_ratio,
                     "cpus": cap.cpus},
             "memory": {"requested": req.memory, "capacity": cap.memory, "ratio": cap.mem_ratio,

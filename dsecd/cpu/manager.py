@@ -101,16 +101,19 @@ class CpuHost:
     # ------------------------------------------------------------ reports
 
     def info(self, requested: admission.Requested, default_cpu: float, default_memory: int,
-             max_sandboxes: int | None = None, queued: int = 0, drained: bool = False) -> dict:
+             max_sandboxes: int | None = None, queued: int = 0, drained: bool = False,
+             idle: admission.Requested | None = None) -> dict:
         """`requested`: what the live sandboxes ask for (SandboxRegistry.requested);
         `max_sandboxes` (limits.max_sandboxes) and `queued` (creates waiting
-        for a slot), which count against it; `drained`: the host admits none."""
+        for a slot), which count against it; `drained`: the host admits none;
+        `idle`: what the idle call sandboxes hold, which a create may take
+        (admission.state)."""
         snap = self.sampler.latest
         host = snap.host
         used = host.get("sandbox_cores") if host else None
         return {"cpus": self.cpus, **self.classes.info(),
                 "admission": admission.state(self.capacity, requested, default_cpu, default_memory,
-                                             max_sandboxes, queued, drained),
+                                             max_sandboxes, queued, drained, idle),
                 "used": {"host_cpu_pct": host.get("cpu_pct") if host else None,
                          "sandbox_cores": used,
                          "sample_interval_s": self.interval, "last_pass_ms": snap.duration_ms},

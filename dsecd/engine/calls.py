@@ -191,6 +191,10 @@ class CallService:
                 drops.append(drop)
         return drops
 
+    def idle_ids(self) -> list[str]:
+        """The ids of the call sandboxes no call claims: those a create may drop."""
+        return [b.id for b in self.call_boxes.values() if not b.claims]
+
     async def drop_idle_for_create(self, enough) -> bool:
         """Room for a create the host has none for (CreateService._room):
         the idle call sandboxes (no call claims them), least recently used

@@ -348,6 +348,15 @@ class SandboxRegistry:
         return Requested(cpu=float(cpu), memory=memory, sandboxes=len(self._counted) - gone,
                          call_sandboxes=len(self._held) - gone)
 
+    def held(self, keys) -> Requested:
+        """What the call sandboxes held under `keys` (hold) ask for, summed."""
+        cpu, memory, n = Fraction(0), 0, 0
+        for key in keys:
+            if key in self._held:
+                c, m = self._counted[key]
+                cpu, memory, n = cpu + c, memory + m, n + 1
+        return Requested(cpu=float(cpu), memory=memory, sandboxes=n, call_sandboxes=n)
+
     def save(self, sb: Sandbox) -> None:
         # A record is one line appended to the log (dsecd/journal.py): cheap
         # enough for the event loop. With journal.fsync on, each write waits

@@ -108,6 +108,8 @@ def test_a_create_on_a_host_an_idle_call_sandbox_filled_takes_its_slot(daemon_fa
     try:
         c.import_image(busybox_rootfs, "busybox")
         assert c.call("busybox", argv=["echo", "hi"]).stdout == b"hi\n"
+        adm = c.info()["cpu"]["admission"]         # open: the idle one gives way
+        assert (adm["state"], adm["idle_call_sandboxes"]["sandboxes"]) == ("open", 1), adm
         c.create(image="busybox", memory="64M")
         info = c.info()
         assert info["fncall"]["boxes"] == [] and info["fncall"]["dropped_for_creates"] == 1, info["fncall"]

@@ -344,3 +344,18 @@ def test_admission_state_is_full_at_max_sandboxes_whatever_cpu_is_left():
     assert (st["state"], st["full_on"]) == ("full", "sandboxes")
     assert st["sandboxes"] == {"live": 3, "call_sandboxes": 0, "queued": 1, "max": 4}
     assert admission.state(cap, admission.Requested(1, GiB, 3), 1.0, GiB, max_sandboxes=5, queued=1)["state"] == "open"
+
+
+def test_admission_state_is_open_where_idle_call_sandboxes_would_give_way():
+    """Idle call sandboxes go for a create that needs their room: the host
+    they fill (slots, CPU or memory) is open to a sandbox of the default
+    size, and info says what they hold."""
+    cap = _cap()
+    req = admission.Requested(15.5, GiB, 4, call_sandboxes=2)
+    assert admission.state(cap, req, 1.0, GiB, max_sandboxes=4)["full_on"] == "sandboxes"
+    idle = admission.Requested(1.0, GiB // 2, 1, call_sandboxes=1)
+    st = admission.state(cap, req, 1.0, GiB, max_sandboxes=4, idle=idle)
+    assert (st["state"], st["full_on"]) == ("open", None)
+    assert st["idle_call_sandboxes"] == {"sandboxes": 1, "cpu": 1.0, "memory": GiB // 2}
+    assert st["sandboxes"] == {"live": 4, "call_sandboxes": 2, "queued": 0, "max": 4}
+    assert admission.state(cap, req, 1.0, GiB, max_sandboxes=4, queued=1, idle=idle)["full_on"] == "sandboxes"

@@ -901,3 +901,26 @@ def test_a_drained_host_gets_no_create():
         return sb.id, a.client.keys
 
     assert run(go()) == ("sb-b", [])
+
+
+def test_a_hosts_idle_call_sandboxes_leave_it_room():
+    """Idle call sandboxes give way to a create on their host (info's
+    admission `idle_call_sandboxes`): their slots, CPU and memory are room
+    for placement."""
+    async def go():
+        from dsecd.fleet import _Shape
+        f = fleet_of(1)
+        h = list(f.hosts.values())[0]
+        h.info = info(cpu_req=1.0, cpu_cap=1.0, mem_req=2 << 20, live=2, max_sandboxes=4)
+        adm = h.info["cpu"]["admission"]
+        adm["sandboxes"] = {"live": 4, "call_sandboxes": 2, "queued": 0, "max": 4}
+        adm["idle_call_sandboxes"] = {"sandboxes": 1, "cpu": 0.5, "memory": 1 << 20}
+        shape = _Shape(0.1, 1 << 20)
+        full = h.load_after(shape)
+        h.info["cpu"]["admission"]["sandboxes"]["max"] = 8
+        h.info["limits"]["max_sandboxes"] = 8
+        return full, h.load_after(shape)
+
+    full, cpu_bound = run(go())
+    assert full == 1.0                          # the last slot: an idle call sandbox's
+    assert cpu_bound == pytest.approx(0.6)      # 1.0 CPU requested, 0.5 of it idle call sandboxes'
