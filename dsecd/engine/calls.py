@@ -195,7 +195,7 @@ class CallService:
         """The ids of the call sandboxes no call claims: those a create may drop."""
         return [b.id for b in self.call_boxes.values() if not b.claims]
 
-    async def drop_idle_for_create(self, enough) -> bool:
+    async def drop_idle_for_create(self, enough, drop: bool = True) -> bool:
         """Room for a create the host has none for (CreateService._room):
         the idle call sandboxes (no call claims them), least recently used
         first, as few as `enough(ids)` says make the room were those ids
@@ -203,7 +203,8 @@ class CallService:
         image makes a new one, admitted as any), and this waits until they
         are destroyed and their holdings given back, or DROP_WAIT_S at most
         (a destroy that fails keeps them held while it is tried again).
-        False, dropping none, when even every idle one would not make room."""
+        False, dropping none, when even every idle one would not make room;
+        without `drop`, whether they would, and none goes."""
         idle = sorted((b for b in self.call_boxes.values() if not b.claims), key=lambda b: b.last_used)
         chosen: list[CallBox] = []
         for box in idle:
@@ -212,7 +213,9 @@ class CallService:
                 break
         else:
             return False
-        drops = [drop for b in chosen if (drop := self._retire(b, "room for a create on a full host")) is not None]
+        if not drop:
+            return True
+        drops = [task for b in chosen if (task := self._retire(b, "room for a create on a full host")) is not None]
         self.call_stats["dropped_for_creates"] += len(chosen)
         if drops:
             # asyncio.wait: a cancel of the create stops no drop.

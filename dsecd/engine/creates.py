@@ -266,7 +266,7 @@ class CreateService:
         # key -> create_args_digest of the create under way that took it.
         self._key_args_creating: dict[str, str] = {}
         # Set by whoever builds the services (dsecd/node.py: CallService.drop_idle_for_create):
-        # async (enough) -> bool, dropping idle call sandboxes for a create
+        # async (enough, drop) -> bool, dropping idle call sandboxes for a create
         # the host has no room for (_room). None: none are dropped.
         self.reclaim_idle_calls = None
         if images is not None:
@@ -452,7 +452,9 @@ class CreateService:
         if taken is not None:
             return taken
         queue = self.admission
-        full = await self._room(lambda gone: self._full_with_queued(len(gone)))
+        # Not dropped yet: the create may still fail its checks (create_now,
+        # which drops them once the sandbox is about to be made).
+        full = await self._room(lambda gone: self._full_with_queued(len(gone)), drop=False)
         if full is not None:
             raise queue.reject(*full)
         async with queue.slot(req.labels.get("job", "")) as waited:
@@ -863,7 +865,7 @@ class CreateService:
             return err
         return None
 
-    async def _room(self, refusal):
+    async def _room(self, refusal, drop: bool = True):
         """`refusal(gone)`: why the host has no room for a create were the
         call sandboxes of ids `gone` destroyed (None: it has room). Where it
         has none now but idle call sandboxes hold what is missing, the least
@@ -871,13 +873,17 @@ class CreateService:
         waits until they are destroyed (reclaim_idle_calls); tried again
         while that drops some, since a create or call may take the room
         freed before this one is back. What refuses the create then, or
-        None. The call sandboxes are only looked at on a host with no room."""
+        None. Without `drop`, None where dropping them would make the room,
+        and none goes. The call sandboxes are only looked at on a host with
+        no room."""
         why = refusal(())
         for _ in range(RECLAIM_TRIES):
             if why is None or self.reclaim_idle_calls is None or not self.registry.requested().call_sandboxes:
                 break
-            if not await self.reclaim_idle_calls(lambda ids: refusal(tuple(ids)) is None):
+            if not await self.reclaim_idle_calls(lambda ids: refusal(tuple(ids)) is None, drop):
                 break
+            if not drop:
+                return None
             why = refusal(())
         return why
 
@@ -1110,9 +1116,6 @@ class CreateService:
         check_platform(req.image, image)
         if backend == "microvm":
             self.vms.check_layers(req.image, image.layer_digests)
-        refused = await self._room(functools.partial(self._admit, limits, plan.qos == qos.LS))
-        if refused is not None:
-            raise refused
         sb_id = secrets.token_hex(6)
         hostname = req.hostname or f"sb-{sb_id}"
         check_hostname(hostname)
@@ -1129,6 +1132,11 @@ class CreateService:
                      lease=parse_duration(req.lease, "lease"), key=req.key,
                      key_args=create_args_digest(req) if req.key else None, backend=backend,
                      policy=self.policy_for_create(req.policy))
+        # Admitted once every setting was read: idle call sandboxes may be
+        # dropped for its room, and must not be for a create that then fails.
+        refused = await self._room(functools.partial(self._admit, limits, plan.qos == qos.LS))
+        if refused is not None:
+            raise refused
         if sb.lease:
             sb.lease_deadline = time.monotonic() + sb.lease
         if backend == "microvm":

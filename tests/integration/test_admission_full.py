@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dsecd.errors import Busy
+from dsecd.errors import BadRequest, Busy, NotFound
 
 # Ids of their own for the tests' call sandboxes: a plain call's end kills
 # what runs under its uid on the host, and other daemons running tests on
@@ -183,5 +183,27 @@ def test_a_pool_refill_on_a_host_an_idle_call_sandbox_filled_takes_its_slot(daem
         assert (pool["ready"], pool["error"]) == (1, None), pool
         info = c.info()["fncall"]
         assert info["boxes"] == [] and info["dropped_for_creates"] == 1, info
+    finally:
+        c.close()
+
+
+def test_a_create_that_fails_its_checks_drops_no_idle_call_sandbox(daemon_factory, busybox_rootfs):
+    """Idle call sandboxes go for a create only once it is known to be
+    made: a create of an image that is not there, with a cwd that is not
+    absolute or a ttl that is no duration, on the host they fill leaves
+    them."""
+    d = daemon_factory(OWN_IDS + "[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\nzygote = false\n")
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        assert c.call("busybox", argv=["true"]).exit_code == 0
+        with pytest.raises(NotFound):
+            c.create(image="no-such-image", memory="64M")
+        with pytest.raises(BadRequest, match="cwd must be absolute"):
+            c.create(image="busybox", memory="64M", cwd="work")
+        with pytest.raises(BadRequest, match="ttl"):
+            c.create(image="busybox", memory="64M", ttl="soon")
+        info = c.info()["fncall"]
+        assert [b["image"] for b in info["boxes"]] == ["busybox"] and info["dropped_for_creates"] == 0, info
     finally:
         c.close()

@@ -62,7 +62,8 @@ def test_an_admitted_call_sandbox_is_counted_until_released():
 def test_a_create_drops_idle_call_sandboxes_only_when_the_host_has_no_room():
     """CreateService._room asks for idle call sandboxes to go only when the
     host refuses the create, and only as many as `enough` says make room:
-    here the slot of one of the two held ones."""
+    here the slot of one of the two held ones; without `drop` it only asks
+    whether they would make it."""
     import asyncio
 
     svc = _service(max_sandboxes=3, queued=0)
@@ -70,14 +71,17 @@ def test_a_create_drops_idle_call_sandboxes_only_when_the_host_has_no_room():
     svc.registry.hold("fn-b", 1.0, 1 << 20)
     asked = []
 
-    async def reclaim(enough):
-        asked.append([enough(["fn-a"]), enough(["fn-a", "fn-b"])])
-        svc.release_call_sandbox("fn-a")
+    async def reclaim(enough, drop):
+        asked.append([enough(["fn-a"]), enough(["fn-a", "fn-b"]), drop])
+        if drop:
+            svc.release_call_sandbox("fn-a")
         return True
 
     svc.reclaim_idle_calls = reclaim
     assert asyncio.run(svc._room(lambda gone: svc._full_with_queued(len(gone)))) is None
     assert asked == []                  # room: the call sandboxes are not looked at
     svc.registry.hold("fn-c", 1.0, 1 << 20)
+    assert asyncio.run(svc._room(lambda gone: svc._full_with_queued(len(gone)), drop=False)) is None
+    assert asked == [[True, True, False]] and svc.registry.live_count() == 3
     assert asyncio.run(svc._room(lambda gone: svc._full_with_queued(len(gone)))) is None
-    assert asked == [[True, True]] and svc.registry.live_count() == 2
+    assert asked[1:] == [[True, True, True]] and svc.registry.live_count() == 2
