@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import concurrent.futures
-import random
 import time
 
 import pytest
 
 from dsecd.errors import BadRequest, Busy, NotFound
-
-# Ids of their own for the tests' call sandboxes: a plain call's end kills
-# what runs under its uid on the host, and other daemons running tests on
-# the host start from the same ranges (sandbox.userns_base).
-OWN_IDS = f"[sandbox]\nuserns_base = {1_000_000_000 + 65536 * random.randrange(1, 20000)}\n"
 
 
 def test_admission_is_full_once_the_host_holds_max_sandboxes(daemon_factory, busybox_rootfs):
@@ -103,7 +97,7 @@ def test_a_create_on_a_host_an_idle_call_sandbox_filled_takes_its_slot(daemon_fa
     """A create refused only for the room an idle call sandbox holds drops
     it, waits until it is destroyed, and takes its slot; info counts the
     drop, and the image's next call needs room of its own again."""
-    d = daemon_factory(OWN_IDS + "[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\nzygote = false\n")
+    d = daemon_factory("[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\nzygote = false\n")
     c = d.client()
     try:
         c.import_image(busybox_rootfs, "busybox")
@@ -124,7 +118,7 @@ def test_a_create_on_a_host_an_idle_call_sandbox_filled_takes_its_slot(daemon_fa
 def test_a_create_on_a_full_host_leaves_a_call_sandbox_with_a_call_in_flight(daemon_factory, busybox_rootfs):
     """A call sandbox with a call running is not dropped for a create: the
     create is refused as on any full host, and the call ends as it would."""
-    d = daemon_factory(OWN_IDS + "[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\nzygote = false\n")
+    d = daemon_factory("[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\nzygote = false\n")
     c = d.client()
     caller = d.client()
     try:
@@ -152,7 +146,7 @@ def test_a_create_past_the_memory_an_idle_call_sandbox_holds_drops_it(daemon_fac
     not fit even without it is refused, and drops nothing."""
     mem_total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo")
                      if line.startswith("MemTotal:"))
-    d = daemon_factory(f"{OWN_IDS}[cpu]\nmemory_oversubscription = {(300 << 20) / mem_total!r}\n"
+    d = daemon_factory(f"[cpu]\nmemory_oversubscription = {(300 << 20) / mem_total!r}\n"
                        "[fncall]\nmemory = \"200M\"\nzygote = false\n")
     c = d.client()
     try:
@@ -172,7 +166,7 @@ def test_a_create_past_the_memory_an_idle_call_sandbox_holds_drops_it(daemon_fac
 def test_a_pool_refill_on_a_host_an_idle_call_sandbox_filled_takes_its_slot(daemon_factory, busybox_rootfs):
     """A warm pool's refill goes through a create's admission: the idle
     call sandbox filling the host goes, and the spare is made."""
-    d = daemon_factory(OWN_IDS + "[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\nzygote = false\n")
+    d = daemon_factory("[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\nzygote = false\n")
     c = d.client()
     try:
         c.import_image(busybox_rootfs, "busybox")
@@ -192,7 +186,7 @@ def test_a_create_that_fails_its_checks_drops_no_idle_call_sandbox(daemon_factor
     made: a create of an image that is not there, with a cwd that is not
     absolute or a ttl that is no duration, on the host they fill leaves
     them."""
-    d = daemon_factory(OWN_IDS + "[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\nzygote = false\n")
+    d = daemon_factory("[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\nzygote = false\n")
     c = d.client()
     try:
         c.import_image(busybox_rootfs, "busybox")
