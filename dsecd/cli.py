@@ -231,7 +231,8 @@ async def cmd_info(c: Client, a) -> int:
         print(f"fncall: {f['calls']} calls ({f['zygote_calls']} zygote, {f['plain_calls']} plain, "
               f"{f.get('plain_calls_by_init', 0)} of them forked by init), "
               f"{f['inflight']} in flight, zygotes started {f['zygotes_started']} replaced {f['zygotes_replaced']}, "
-              f"{f.get('dropped_for_creates', 0)} call sandboxes dropped for creates")
+              f"call sandboxes dropped for creates {f.get('dropped_for_creates', 0)}, "
+              f"for other images' calls {f.get('dropped_for_calls', 0)}")
     for why in info.get("unread", []):
         print(f"not read: {why}")
     return 0

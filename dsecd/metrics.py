@@ -332,7 +332,9 @@ class NodeCollector:
                                ("dsecd_zygotes_started", "zygotes_started", "Zygotes started"),
                                ("dsecd_zygotes_replaced", "zygotes_replaced", "Zygotes replaced"),
                                ("dsecd_call_sandboxes_dropped_for_creates", "dropped_for_creates",
-                                "Idle call sandboxes dropped to make room for a create on a full host")):
+                                "Idle call sandboxes dropped to make room for a create on a full host"),
+                               ("dsecd_call_sandboxes_dropped_for_calls", "dropped_for_calls",
+                                "Idle call sandboxes dropped to make room for another image's on a full host")):
             c = _counter(name, doc)
             c.add_metric([], f.get(key, 0))
             yield c

@@ -133,7 +133,8 @@ class CallService:
         if images is not None:
             images.images.changed.append(self._image_changed)
         self.call_stats = {"calls": 0, "inflight": 0, "zygote_calls": 0, "plain_calls": 0, "plain_calls_by_init": 0,
-                           "zygotes_started": 0, "zygotes_replaced": 0, "busy": 0, "dropped_for_creates": 0}
+                           "zygotes_started": 0, "zygotes_replaced": 0, "busy": 0, "dropped_for_creates": 0,
+                           "dropped_for_calls": 0}
 
     @staticmethod
     def sizes_from(cfg) -> dict:
@@ -195,7 +196,7 @@ class CallService:
         """The ids of the call sandboxes no call claims: those a create may drop."""
         return [b.id for b in self.call_boxes.values() if not b.claims]
 
-    async def drop_idle_for_create(self, enough, drop: bool = True) -> bool:
+    async def drop_idle_for_create(self, enough, drop: bool = True, purpose: str = "create") -> bool:
         """Room for a create the host has none for (CreateService._room):
         the idle call sandboxes (no call claims them), least recently used
         first, as few as `enough(ids)` says make the room were those ids
@@ -204,7 +205,8 @@ class CallService:
         are destroyed and their holdings given back, or DROP_WAIT_S at most
         (a destroy that fails keeps them held while it is tried again).
         False, dropping none, when even every idle one would not make room;
-        without `drop`, whether they would, and none goes."""
+        without `drop`, whether they would, and none goes. `purpose`: "create",
+        or "call" for another image's new call sandbox (counted apart)."""
         idle = sorted((b for b in self.call_boxes.values() if not b.claims), key=lambda b: b.last_used)
         chosen: list[CallBox] = []
         for box in idle:
@@ -215,8 +217,8 @@ class CallService:
             return False
         if not drop:
             return True
-        drops = [task for b in chosen if (task := self._retire(b, "room for a create on a full host")) is not None]
-        self.call_stats["dropped_for_creates"] += len(chosen)
+        drops = [task for b in chosen if (task := self._retire(b, f"room for a {purpose} on a full host")) is not None]
+        self.call_stats[f"dropped_for_{purpose}s"] += len(chosen)
         if drops:
             # asyncio.wait: a cancel of the create stops no drop.
             await asyncio.wait(drops, timeout=DROP_WAIT_S)
@@ -401,6 +403,8 @@ class CallService:
                                cpu_hard_quota=False, cpu_period_us=self.cpu_period_us)
         plan = self.cpu.plan(fc["qos"])
         box_id = f"fn-{secrets.token_hex(5)}"
+        # On a full host, idle call sandboxes of other images give way.
+        await self.capacity.room_for_call_sandbox(limits.cpu, limits.memory_bytes)
         # What the box holds, given back in reverse if it is not made; a
         # cancel hands all of it to _undo_abandoned_box instead.
         with contextlib.ExitStack() as held:

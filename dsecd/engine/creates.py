@@ -865,7 +865,7 @@ class CreateService:
             return err
         return None
 
-    async def _room(self, refusal, drop: bool = True):
+    async def _room(self, refusal, drop: bool = True, purpose: str = "create"):
         """`refusal(gone)`: why the host has no room for a create were the
         call sandboxes of ids `gone` destroyed (None: it has room). Where it
         has none now but idle call sandboxes hold what is missing, the least
@@ -875,12 +875,13 @@ class CreateService:
         freed before this one is back. What refuses the create then, or
         None. Without `drop`, None where dropping them would make the room,
         and none goes. The call sandboxes are only looked at on a host with
-        no room."""
+        no room. `purpose`: what the room is for ("create", or "call" for a
+        new call sandbox), as the drops are counted."""
         why = refusal(())
         for _ in range(RECLAIM_TRIES):
             if why is None or self.reclaim_idle_calls is None or not self.registry.requested().call_sandboxes:
                 break
-            if not await self.reclaim_idle_calls(lambda ids: refusal(tuple(ids)) is None, drop):
+            if not await self.reclaim_idle_calls(lambda ids: refusal(tuple(ids)) is None, drop, purpose):
                 break
             if not drop:
                 return None
@@ -910,15 +911,30 @@ class CreateService:
         it holds (_room). The creates queued for a slot count against
         limits.max_sandboxes, as they do for a new create: a call sandbox
         takes no slot a queued create was let in for."""
-        full = self._full_with_queued()
+        refused = self._call_sandbox_refusal(cpu, memory)
+        if refused is not None:
+            raise refused
+        self.registry.hold(box_id, cpu, memory)
+
+    def _call_sandbox_refusal(self, cpu: float, memory: int, gone: tuple[str, ...] = ()) -> Busy | None:
+        """Why a call sandbox of `cpu` and `memory` is not admitted now (None:
+        it is); `gone`: as if the call sandboxes of these ids were destroyed."""
+        full = self._full_with_queued(len(gone))
         if full is not None:
-            raise Busy(*full)
+            return Busy(*full)
         try:
-            self.cpu.admit(self.registry.requested(), cpu, memory, ls=False)
+            self.cpu.admit(self.registry.requested(gone), cpu, memory, ls=False)
         except Busy as err:
             err.detail.setdefault("retry_after_s", self.adm_cfg["full_retry_after_s"])
-            raise
-        self.registry.hold(box_id, cpu, memory)
+            return err
+        return None
+
+    async def room_for_call_sandbox(self, cpu: float, memory: int) -> None:
+        """Before a call sandbox is made on a host with no room for it: the
+        idle call sandboxes of other images that hold the room it needs go,
+        least recently used first, as for a create (_room).
+        hold_call_sandbox still decides whether it is admitted."""
+        await self._room(functools.partial(self._call_sandbox_refusal, cpu, memory), purpose="call")
 
     def release_call_sandbox(self, box_id: str) -> None:
         self.registry.release(box_id)

@@ -108,10 +108,39 @@ def test_a_create_on_a_host_an_idle_call_sandbox_filled_takes_its_slot(daemon_fa
         info = c.info()
         assert info["fncall"]["boxes"] == [] and info["fncall"]["dropped_for_creates"] == 1, info["fncall"]
         assert info["cpu"]["admission"]["sandboxes"] == {"live": 1, "call_sandboxes": 0, "queued": 0, "max": 1}
-        assert b"1 call sandboxes dropped for creates" in d.cli("info").stdout
+        assert b"call sandboxes dropped for creates 1," in d.cli("info").stdout
         with pytest.raises(Busy, match="host is full"):
             c.call("busybox", argv=["true"])
     finally:
+        c.close()
+
+
+def test_a_call_of_another_image_takes_the_room_of_an_idle_call_sandbox(daemon_factory, busybox_rootfs):
+    """On a host an idle call sandbox filled, another image's first call
+    drops it and makes its own in its room; one with a call in flight
+    stays, and the other image's call is then refused busy."""
+    d = daemon_factory("[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\nzygote = false\n")
+    c = d.client()
+    caller = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        c.import_image(busybox_rootfs, "other")
+        assert c.call("busybox", argv=["echo", "a"]).stdout == b"a\n"
+        assert c.call("other", argv=["echo", "b"]).stdout == b"b\n"
+        info = c.info()["fncall"]
+        assert [b["image"] for b in info["boxes"]] == ["other"], info
+        assert (info["dropped_for_calls"], info["dropped_for_creates"]) == (1, 0), info
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(caller.call, "other", argv=["sh", "-c", "sleep 3; echo done"])
+            while not any(b["running"] for b in c.info()["fncall"]["boxes"]):
+                assert not running.done(), running.result()
+                time.sleep(0.02)
+            with pytest.raises(Busy, match="host is full"):
+                c.call("busybox", argv=["true"])
+            assert running.result().stdout == b"done\n"
+        assert c.info()["fncall"]["dropped_for_calls"] == 1
+    finally:
+        caller.close()
         c.close()
 
 

@@ -71,8 +71,8 @@ def test_a_create_drops_idle_call_sandboxes_only_when_the_host_has_no_room():
     svc.registry.hold("fn-b", 1.0, 1 << 20)
     asked = []
 
-    async def reclaim(enough, drop):
-        asked.append([enough(["fn-a"]), enough(["fn-a", "fn-b"]), drop])
+    async def reclaim(enough, drop, purpose):
+        asked.append([enough(["fn-a"]), enough(["fn-a", "fn-b"]), drop, purpose])
         if drop:
             svc.release_call_sandbox("fn-a")
         return True
@@ -82,6 +82,6 @@ def test_a_create_drops_idle_call_sandboxes_only_when_the_host_has_no_room():
     assert asked == []                  # room: the call sandboxes are not looked at
     svc.registry.hold("fn-c", 1.0, 1 << 20)
     assert asyncio.run(svc._room(lambda gone: svc._full_with_queued(len(gone)), drop=False)) is None
-    assert asked == [[True, True, False]] and svc.registry.live_count() == 3
+    assert asked == [[True, True, False, "create"]] and svc.registry.live_count() == 3
     assert asyncio.run(svc._room(lambda gone: svc._full_with_queued(len(gone)))) is None
-    assert asked[1:] == [[True, True, True]] and svc.registry.live_count() == 2
+    assert asked[1:] == [[True, True, True, "create"]] and svc.registry.live_count() == 2
