@@ -99,6 +99,8 @@ enum dsec_step {
     /* container child with root_ns_fd: the idmapped layer clones attached
      * under the overlay (park_fds) */
     DSEC_STEP_PARK_LAYERS = 55,
+    /* an exec's step (helper or dsec-init), after the user namespace */
+    DSEC_STEP_IPC_NS = 56,
     /* a sandbox's cgroups in the daemon (cgroupfs.c dsec_cgroup_make) */
     DSEC_STEP_CGROUP_MKDIR = 60,
     DSEC_STEP_CGROUP_WRITE = 61,
@@ -180,6 +182,7 @@ struct dsec_exec_args {
     int ctty;            /* nonzero: stdin is a tty slave that becomes the controlling terminal */
     const unsigned char *policy; /* NULL, or a task policy's plan (struct dsec_policy_head ...) */
     size_t policy_len;
+    int own_ipc;         /* nonzero: unshare an IPC namespace of its own (needs userns) before its ids */
 };
 
 /* A task policy as the exec children apply it (csrc/policy_steps.h), compiled
@@ -326,6 +329,11 @@ int dsec_seccomp_export_pfc(int profile, int fd);
  * most DSEC_MAX_GROUPS) and that many uint32_t supplementary gids (native
  * byte order, unaligned), before any policy; without the flag the exec has
  * no supplementary groups.
+ * DSEC_INIT_START_OWN_IPC: the exec child unshares an IPC namespace of its
+ * own (owned by the sandbox's user namespace) while it still holds init's
+ * capabilities, before its ids change; init must hold CAP_SYS_ADMIN over
+ * that user namespace (init_caps) and its seccomp filter let
+ * unshare(CLONE_NEWIPC) through.
  * DSEC_INIT_START_HOLD: the START carries three more fds (six in all): the
  * daemon's own ends of the exec's stdio pipes, which init holds for it until
  * the daemon asks it to let them go (DSEC_INIT_OP_RELEASE, header only, its
@@ -356,6 +364,7 @@ int dsec_seccomp_export_pfc(int profile, int fd);
 #define DSEC_INIT_START_HOLD 512
 #define DSEC_INIT_START_POLICY 1024
 #define DSEC_INIT_START_GROUPS 2048
+#define DSEC_INIT_START_OWN_IPC 4096
 #define DSEC_INIT_MAX_HELD 1024
 #define DSEC_INIT_MAX_STRINGS 65536
 struct dsec_init_req {

@@ -31,6 +31,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -125,6 +126,10 @@ static int caps_bound_drop(uint64_t drop, struct dsec_err *e)
 
 /* The same checklist as spawn.c's exec_child, minus what init already did
  * for the whole sandbox (namespaces, cgroups, QoS, no_new_privs, seccomp).
+ * With DSEC_INIT_START_OWN_IPC the child unshares an IPC namespace once its
+ * capabilities are in effect (CAP_SYS_ADMIN over the sandbox's user
+ * namespace, which init holds for that in a call sandbox), before it drops
+ * them: a plain call's SysV objects and message queues are then its own.
  * Signal dispositions need no reset: init never installs a handler. A vfork
  * child: it writes nothing of init's memory but e (exec_search leaves e alone
  * unless nothing ran). Returns only on failure, with e filled.
@@ -142,7 +147,9 @@ static void exec_child(const struct request *r, struct dsec_err *e)
         stdio_dup(r->stdio, e) < 0 || ((q->op & DSEC_INIT_START_CTTY) && ctty_take(e) < 0) ||
         (r->ruleset >= 0 && policy_restrict(r->ruleset, r->policy, e) < 0) ||
         check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||
-        caps_raise(&held, e) < 0 || caps_bound_drop(held & ~q->cap_keep, e) < 0 ||
+        caps_raise(&held, e) < 0 ||
+        ((q->op & DSEC_INIT_START_OWN_IPC) && check(unshare(CLONE_NEWIPC), e, DSEC_STEP_IPC_NS, NULL) < 0) ||
+        caps_bound_drop(held & ~q->cap_keep, e) < 0 ||
         ids_set(q->uid, q->gid, r->groups, r->n_groups, q->cap_keep, e) < 0 || caps_set(q->cap_keep, e) < 0 ||
         check(chdir(r->cwd), e, DSEC_STEP_CHDIR, r->cwd) < 0)
         return;
@@ -699,7 +706,7 @@ static int serve(void)
 
     if ((size_t)len < sizeof(in.req) || in.req.magic != DSEC_INIT_MAGIC ||
         (in.req.op & ~(uint32_t)(DSEC_INIT_START_CTTY | DSEC_INIT_START_HOLD | DSEC_INIT_START_POLICY |
-                               DSEC_INIT_START_GROUPS)) !=
+                               DSEC_INIT_START_GROUPS | DSEC_INIT_START_OWN_IPC)) !=
             DSEC_INIT_OP_START ||
         n != (hold ? 6 : 3) || (msg.msg_flags & MSG_TRUNC) || !parse(&r, (size_t)len)) {
         fds_close(fds, n > 0 ? n : 0);

@@ -1416,8 +1416,12 @@ static int exec_child(void *arg)
         (a->core_sched && helper_step(dsec_sched_core_share_from(1), e, DSEC_STEP_SCHED_CORE) < 0))
         _exit(127);
     /* The user namespace next, through the pidfd, a long-lived fd of the
-     * daemon's (parked high): before the child's fd table is its own. */
-    if (userns_join(a, e) < 0 || check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 ||
+     * daemon's (parked high): before the child's fd table is its own. With
+     * own_ipc, an IPC namespace of its own, owned by that user namespace
+     * (where it holds every capability until its ids change). */
+    if (userns_join(a, e) < 0 ||
+        (a->own_ipc && check(unshare(CLONE_NEWIPC), e, DSEC_STEP_IPC_NS, NULL) < 0) ||
+        check(setsid(), e, DSEC_STEP_SETSID, NULL) < 0 ||
         fd_table_private(1 + fd_max(a->stdin_fd, fd_max(a->stdout_fd, a->stderr_fd)), e) < 0 ||
         stdio_dup(stdio, e) < 0 || (a->ctty && ctty_take(e) < 0) ||
         check(syscall(SYS_close_range, 3, ~0U, 0), e, DSEC_STEP_CLOSE_FDS, NULL) < 0 ||

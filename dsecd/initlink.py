@@ -201,7 +201,7 @@ class InitLink:
     def spawn(self, loop: asyncio.AbstractEventLoop, argv: list[str], env: list[str], cwd: str, uid: int,
               cap_keep: int, stdio: tuple[int, int, int], ctty: bool = False,
               hold: tuple[int, int, int] | None = None, gid: int | None = None,
-              policy: bytes | None = None, groups: tuple[int, ...] = ()) -> InitExec | None:
+              policy: bytes | None = None, groups: tuple[int, ...] = (), own_ipc: bool = False) -> InitExec | None:
         """Ask init to start argv; None if this channel cannot take it (closed,
         too big for one packet, init not reading): use the daemon's helper.
         The stdio fds are in the kernel's hands once this returns: the caller
@@ -210,8 +210,10 @@ class InitLink:
         init holds until `release` (a background process: detached). ValueError
         for strings or ids execve cannot take. gid: None is the uid's number.
         policy: a task policy's plan (dsecd/policy.py), applied with Landlock
-        before execve; groups: its supplementary gids. An init older than
-        either flag refuses the request: it never runs without them."""
+        before execve; groups: its supplementary gids; own_ipc: it unshares
+        an IPC namespace of its own before its ids change (init must hold
+        CAP_SYS_ADMIN over the sandbox's user namespace). An init older than
+        any of these flags refuses the request: it never runs without them."""
         gid = uid if gid is None else gid
         strings = start_strings(argv, env, cwd, uid, gid)
         native.check_groups(groups)
@@ -225,7 +227,8 @@ class InitLink:
         op = (native.INIT_OP_START | (native.INIT_START_CTTY if ctty else 0)
               | (native.INIT_START_HOLD if hold is not None else 0)
               | (native.INIT_START_POLICY if policy is not None else 0)
-              | (native.INIT_START_GROUPS if groups else 0))
+              | (native.INIT_START_GROUPS if groups else 0)
+              | (native.INIT_START_OWN_IPC if own_ipc else 0))
         head = _REQ.pack(native.INIT_MAGIC, exec_id, uid, gid, cap_keep, len(argv), len(env), len(strings), op)
         parts = [head, strings]
         if groups:

@@ -35,7 +35,7 @@ __all__ = [
     "cgroup_make",
     "init_binary_path", "INIT_MAGIC", "INIT_OP_START", "INIT_OP_KILL", "INIT_OP_COPY", "INIT_OP_RELEASE", "INIT_OP_PRUNE",
     "INIT_START_CTTY",
-    "INIT_START_HOLD", "INIT_START_POLICY", "INIT_START_GROUPS", "MAX_GROUPS",
+    "INIT_START_HOLD", "INIT_START_POLICY", "INIT_START_GROUPS", "INIT_START_OWN_IPC", "MAX_GROUPS",
     "check_groups", "POLICY_MAGIC", "POLICY_MAX_BYTES", "POLICY_MAX_CHILDREN",
     "INIT_STARTED", "INIT_EXITED", "INIT_MAX_STRINGS", "INIT_PEER_FD", "INIT_REQ_SIZE", "INIT_REPLY_SIZE",
     "INIT_REPLY_ERR_OFFSET",
@@ -113,6 +113,7 @@ _VERBS = {
     "ctty": "make the pty the controlling terminal of",
     "landlock": "apply the task policy (Landlock) at",
     "park_layers": "attach the idmapped layer clones at",
+    "ipc_ns": "unshare an IPC namespace for",
 }
 
 _MOUNT_STEPS = {"mount_private", "mount_overlay", "mount_proc", "mount_dev", "dev_node",
@@ -669,6 +670,7 @@ class ExecSpec:
     ctty: bool = False     # stdin_fd is a pty slave: it becomes the controlling terminal
     policy: bytes | None = None   # a task policy's plan (dsecd/policy.py compile): Landlock before execve
     groups: tuple[int, ...] = ()  # supplementary gids (at most MAX_GROUPS); none by default
+    own_ipc: bool = False  # unshare an IPC namespace of its own (with userns: owned by the sandbox's)
 
     def __post_init__(self):
         _fd("pidfd", self.pidfd)
@@ -734,6 +736,7 @@ def spawn_exec(spec: ExecSpec) -> int:
     args.userns = bool(spec.userns)
     args.oom_reset = bool(spec.oom_reset)
     args.ctty = bool(spec.ctty)
+    args.own_ipc = bool(spec.own_ipc)
     if spec.groups:
         groups = ffi.new("uint32_t[]", list(spec.groups))
         keep.append(groups)
@@ -788,6 +791,7 @@ INIT_OP_PRUNE: int = lib.DSEC_INIT_OP_PRUNE
 INIT_START_HOLD: int = lib.DSEC_INIT_START_HOLD
 INIT_START_POLICY: int = lib.DSEC_INIT_START_POLICY
 INIT_START_GROUPS: int = lib.DSEC_INIT_START_GROUPS
+INIT_START_OWN_IPC: int = lib.DSEC_INIT_START_OWN_IPC
 MAX_GROUPS: int = lib.DSEC_MAX_GROUPS
 POLICY_MAGIC: int = lib.DSEC_POLICY_MAGIC
 POLICY_MAX_BYTES: int = lib.DSEC_POLICY_MAX_BYTES

@@ -152,6 +152,10 @@ class ContainerBackend:
         # on, and SETUID/SETGID/SETPCAP to change ids and drop the rest.
         self.execs_by_init = execs_by_init
         self.init_caps = self.caps | cap_mask(["SETUID", "SETGID", "SETPCAP"])
+        # What init also keeps where the sandbox has a user namespace of its
+        # own (over that namespace only): set by a backend whose execs need
+        # more (FnCallBackend: SYS_ADMIN, for each plain call's IPC namespace).
+        self.userns_init_caps = 0
         if execs_by_init and self.caps & cap_mask(["SYS_PTRACE"]):
             log.warning("sandbox.capabilities has SYS_PTRACE: a sandbox process can then take the fds of its "
                         "init, the exec channel among them (docs/hardening.md section 9)")
@@ -243,7 +247,7 @@ class ContainerBackend:
                         userns_uid=idmap.uid if idmap else 0, userns_gid=idmap.gid if idmap else 0,
                         netns_fd=netns_fd, upper_fd=upperfd,
                         ctl_fd=theirs.fileno() if theirs else -1, ctl_peer_fd=ours.fileno() if ours else -1,
-                        init_caps=self.init_caps,
+                        init_caps=self.init_caps | (self.userns_init_caps if idmap is not None else 0),
                         oom_reset=_OOM_RESET, root_ns_fd=self.root_ns_fd, park_fds=layers.clone_fds,
                         proc_options=proc_options, root_readonly=root_readonly)
                     pid = native.spawn_container(spec)
@@ -375,7 +379,8 @@ class ContainerBackend:
                       fds: tuple[int, int, int], ctty: bool = False,
                       hold: tuple[int, int, int] | None = None, gid: int | None = None,
                       policy: bytes | None = None, cap_keep: int | None = None,
-                      background: bool = False, groups: tuple[int, ...] = ()) -> initlink.InitExec | None:
+                      background: bool = False, groups: tuple[int, ...] = (),
+                      own_ipc: bool = False) -> initlink.InitExec | None:
         """Send the exec to the sandbox's init (on the event loop, does not
         block); None if it has no channel or the channel cannot take it: then
         `spawn` it. The same ids and capabilities as `spawn` gives. ctty:
@@ -385,14 +390,17 @@ class ContainerBackend:
         (dsecd/policy.py), applied before execve; cap_keep: the capabilities it
         keeps if not the sandbox's (a subset). background: a background
         process, which only init starts (whatever sandbox.exec_via says).
-        groups: its supplementary gids (none by default)."""
+        groups: its supplementary gids (none by default). own_ipc: an IPC
+        namespace of its own, unshared before its ids change (a sandbox with
+        a user namespace of its own, whose init holds SYS_ADMIN over it:
+        userns_init_caps)."""
         if h.init_link is None or not h.init_starts or not (self.execs_by_init or background):
             return None
-        if groups and not h.init_current and not background:
-            return None          # an older init refuses the groups; the helper sets them
+        if (groups or own_ipc) and not h.init_current and not background:
+            return None          # an older init refuses the flag; the helper does it
         caps = self.exec_caps(uid, cap_keep)
         return h.init_link.spawn(loop, argv, env, cwd, uid, caps, fds, ctty, hold,
-                                 uid if gid is None else gid, policy, groups)
+                                 uid if gid is None else gid, policy, groups, own_ipc)
 
     def exec_caps(self, uid: int, cap_keep: int | None) -> int:
         """The capabilities an exec keeps (raised as ambient ones, so that they
@@ -449,17 +457,20 @@ class ContainerBackend:
     def spawn(self, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
               fds: tuple[int, int, int], ctty: bool = False, gid: int | None = None,
               policy: bytes | None = None, cap_keep: int | None = None, groups: tuple[int, ...] = (),
-              extra_caps: int = 0) -> int:
+              extra_caps: int = 0, own_ipc: bool = False) -> int:
         """Start argv through the daemon's exec helper; its host pid. gid: None
         is the uid's number; groups: its supplementary gids; extra_caps:
         capabilities it holds beyond sandbox.capabilities (the call
-        sandbox's zygote: FnCallBackend.spawn_zygote)."""
+        sandbox's zygote: FnCallBackend.spawn_zygote); own_ipc: an IPC
+        namespace of its own, owned by the sandbox's user namespace (it
+        needs one: h.userns)."""
         caps = self.exec_caps(uid, cap_keep) | extra_caps
         spec = native.ExecSpec(pidfd=h.pidfd, cgroup_procs=h.group.procs_files(), argv=argv, env=env,
                                cwd=cwd, uid=uid, gid=uid if gid is None else gid, stdin_fd=fds[0], stdout_fd=fds[1],
                                stderr_fd=fds[2], cap_keep=caps, sched_idle=h.sched_idle,
                                core_sched=h.core_sched, seccomp_profile=self.seccomp, userns=h.userns,
-                               oom_reset=_OOM_RESET, ctty=ctty, policy=policy, groups=groups)
+                               oom_reset=_OOM_RESET, ctty=ctty, policy=policy, groups=groups,
+                               own_ipc=own_ipc)
         return native.spawn_exec(spec)
 
     # ------------------------------------------------------------ destroy

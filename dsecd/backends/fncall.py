@@ -21,7 +21,8 @@ is dropped with its whole call sandbox; the next call makes new ones.
 Images without python3 (or with [fncall] zygote = false) take plain argv
 calls only: each is an exec in the call sandbox under a uid of its own (from
 fncall.uid_base: an id of the call sandbox's user namespace, or a host id
-where sandboxes run without one), in a fresh dir under /tmp created and removed by the
+where sandboxes run without one), in an IPC namespace of its own where the
+call sandbox has a user namespace (own_ipc), in a fresh dir under /tmp created and removed by the
 daemon through the sandbox root; forked by the call sandbox's init when
 sandbox.exec_via is "init" (else, or when its channel cannot take one, by
 the daemon's helper).
@@ -283,6 +284,13 @@ class FnCallBackend:
                                                     "cgroup_root": f"{sandbox_cfg['cgroup_root']}/.fncall"},
                                            Path(state_dir) / "fncall", sizes,
                                            "tmpfs" if disk else "dir", execs_by_init)
+        # A call sandbox's init (with a user namespace of its own) keeps
+        # SYS_ADMIN over that namespace, never in effect in init itself: the
+        # child it forks for a plain call unshares an IPC namespace with it
+        # before dropping to the call's uid (start_plain_by_init), where the
+        # seccomp filter lets that unshare through (own_ipc).
+        if self.containers.seccomp in (-1, seccomp_profiles.PROFILES["fncall"]):
+            self.containers.userns_init_caps = cap_mask(["SYS_ADMIN"])
 
     def leftovers(self) -> list[str]:
         """Call sandboxes of an earlier daemon (none are ever re-adopted)."""
@@ -381,17 +389,23 @@ class FnCallBackend:
         return ours, pid
 
     # A plain call keeps no capability (cap_keep 0), not even the
-    # NET_BIND_SERVICE a non-root exec keeps: a call serves no port.
+    # NET_BIND_SERVICE a non-root exec keeps: a call serves no port. Where
+    # the call sandbox has a user namespace of its own (own_ipc), it runs in
+    # an IPC namespace of its own, as a zygote's call does: unshared by its
+    # process before it drops to the call's uid, by init or by the helper.
+    # What it makes there (SysV objects, message queues) goes with its last
+    # process, and no other call reaches it or takes its keys and names.
 
     def start_plain_by_init(self, loop, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
                             fds: tuple[int, int, int]):
         """A plain call sent to the call sandbox's init (on the loop); None
         when it has no channel or the channel cannot take it: spawn_plain."""
-        return self.containers.start_by_init(loop, h, argv, env, cwd, uid, fds, cap_keep=0)
+        return self.containers.start_by_init(loop, h, argv, env, cwd, uid, fds, cap_keep=0,
+                                             own_ipc=self.own_ipc(h))
 
     def spawn_plain(self, h: Handle, argv: list[str], env: list[str], cwd: str, uid: int,
                     fds: tuple[int, int, int]) -> int:
-        return self.containers.spawn(h, argv, env, cwd, uid, fds, cap_keep=0)
+        return self.containers.spawn(h, argv, env, cwd, uid, fds, cap_keep=0, own_ipc=self.own_ipc(h))
 
     # Private dirs for plain argv calls, made and removed through the sandbox
     # root with RESOLVE_IN_ROOT walks (dsecd/fs/files.py): a sandbox that turns

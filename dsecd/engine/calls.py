@@ -827,13 +827,18 @@ class CallService:
 
     def _remove_left(self, box: CallBox, host_uid: int, private_dir: str) -> bool:
         """What a plain call left in its dir, /dev/shm, SysV IPC and message
-        queues, removed (a worker)."""
+        queues, removed (a worker). In an IPC namespace of its own (own_ipc:
+        FnCallBackend.spawn_plain) its SysV objects and message queues went
+        with its last process, killed before this: only its dir and /dev/shm
+        are left to look at."""
         own = self.fncall.remove_private_dir(box.handle, private_dir)
-        try:
-            ipc = self.fncall.remove_ipc(box.handle, host_uid)
-        except OSError:
-            ipc = False
-        mq = self.fncall.remove_mqueues(box.mq_fd, host_uid)
+        ipc = mq = True
+        if not self.fncall.own_ipc(box.handle):
+            try:
+                ipc = self.fncall.remove_ipc(box.handle, host_uid)
+            except OSError:
+                ipc = False
+            mq = self.fncall.remove_mqueues(box.mq_fd, host_uid)
         return self.fncall.remove_shm_files(box.handle, host_uid) and ipc and mq and own
 
 

@@ -399,6 +399,37 @@ def test_a_call_cannot_reach_or_take_what_a_concurrent_call_made_in_ipc(daemon, 
     assert (held.exit_code, held.stdout) == (0, b"True\n"), held
 
 
+def _plain_calls_at_once(daemon, image: str, *codes: str) -> list:
+    """The results of argv calls of python3 -c CODE sent together on one
+    connection (argv of sh, so not routed as code)."""
+    async def run():
+        async with Client(daemon.socket) as c:
+            return await asyncio.gather(*(c.call(image, argv=["sh", "-c", 'exec python3 -c "$0"', code])
+                                          for code in codes))
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("exec_via", ["init", "helper"])
+def test_a_plain_call_cannot_reach_or_take_what_a_concurrent_one_made_in_ipc(daemon_factory, exec_via):
+    """A plain call (no zygote), forked by the call sandbox's init or by the
+    helper, runs in an IPC namespace of its own as well: SysV objects and a
+    message queue one running plain call made are not found by another,
+    which can make the same key itself."""
+    d = daemon_factory(f'exec_via = "{exec_via}"\n[fncall]\nzygote = false\n')
+    c = d.client()
+    try:
+        py = import_py(c)
+    finally:
+        c.close()
+    tag = secrets.token_hex(4)
+    names = (f"KEY = 0x5ec{int(tag[:4], 16):04x}\nQUEUE = b'/q-{tag}'\n"
+             f"READY = '/dev/shm/ready-{tag}'\nDONE = '/dev/shm/done-{tag}'\n")
+    held, looked = _plain_calls_at_once(d, py, names + IPC_HOLDER, names + IPC_LOOKER)
+    assert (held.exit_code, held.stdout, held.path) == (0, b"True\n", "exec"), held
+    assert (looked.exit_code, looked.stdout) == (0, b"[False, False, False, False] True\n"), looked
+
+
 NET_HOLDER = (
     "import os, socket, time\n"
     "tcp = socket.socket()\ntcp.bind(('127.0.0.1', PORT))\ntcp.listen()\n"
@@ -623,13 +654,15 @@ def test_what_a_call_leaves_in_sysv_ipc_is_removed(client, py_image):
     check_sysv_leftovers_go(client, py_image, "zygote")
 
 
-def with_plain_calls(daemon_factory, check) -> None:
-    """check(client, the py image, "exec") on a daemon whose calls all go
-    the plain route (no zygote), python3 in the image all the same."""
-    d = daemon_factory("[fncall]\nzygote = false\n")
+def with_plain_calls(daemon_factory, *checks, config: str = "") -> None:
+    """Each check(client, the py image, "exec") on a daemon whose calls all
+    go the plain route (no zygote), python3 in the image all the same."""
+    d = daemon_factory(config + "[fncall]\nzygote = false\n")
     c = d.client()
     try:
-        check(c, import_py(c), "exec")
+        py = import_py(c)
+        for check in checks:
+            check(c, py, "exec")
     finally:
         c.close()
 
@@ -665,6 +698,14 @@ def test_a_message_queue_a_call_leaves_is_removed(client, py_image):
 
 def test_a_message_queue_a_plain_call_leaves_is_removed(daemon_factory):
     with_plain_calls(daemon_factory, check_mqueue_leftovers_go)
+
+
+def test_without_user_namespaces_what_a_plain_call_leaves_in_ipc_is_removed(daemon_factory):
+    """Without a user namespace of the call sandbox's own a plain call
+    cannot have an IPC namespace of its own: its SysV objects and message
+    queues are in the call sandbox's, and are removed after it."""
+    with_plain_calls(daemon_factory, check_sysv_leftovers_go, check_mqueue_leftovers_go,
+                     config="[sandbox]\nuserns = false\n")
 
 
 def test_call_workers_run_under_the_seccomp_filter(client, py_image):

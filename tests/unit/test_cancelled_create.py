@@ -161,6 +161,7 @@ def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_ki
         kill_leftovers = staticmethod(lambda h, uid, own_range=True: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
         remove_ipc = staticmethod(lambda h, uid: True)
+        own_ipc = staticmethod(lambda h: False)      # the call sandbox's IPC namespace: cleaned up after it
         remove_mqueues = staticmethod(lambda fd, uid: True)
 
         def make_private_dir(self, h, name, uid):
@@ -213,6 +214,7 @@ def test_a_plain_call_cancelled_while_it_runs_frees_its_uid_only_once_reaped():
         kill_leftovers = staticmethod(lambda h, uid, own_range=True: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
         remove_ipc = staticmethod(lambda h, uid: True)
+        own_ipc = staticmethod(lambda h: False)      # the call sandbox's IPC namespace: cleaned up after it
         remove_mqueues = staticmethod(lambda fd, uid: True)
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
         start_plain_by_init = staticmethod(lambda *args: None)     # the helper spawns it
@@ -254,6 +256,7 @@ def test_a_plain_call_forked_by_init_and_cancelled_frees_its_uid_only_once_init_
         kill_leftovers = staticmethod(lambda h, uid, own_range=True: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
         remove_ipc = staticmethod(lambda h, uid: True)
+        own_ipc = staticmethod(lambda h: False)      # the call sandbox's IPC namespace: cleaned up after it
         remove_mqueues = staticmethod(lambda fd, uid: True)
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
 
@@ -301,6 +304,7 @@ def test_a_plain_call_whose_channel_broke_keeps_its_uid_and_retires_its_call_san
         kill_leftovers = staticmethod(lambda h, uid, own_range=True: 0)     # the call left nothing running
         remove_shm_files = staticmethod(lambda h, uid: True)
         remove_ipc = staticmethod(lambda h, uid: True)
+        own_ipc = staticmethod(lambda h: False)      # the call sandbox's IPC namespace: cleaned up after it
         remove_mqueues = staticmethod(lambda fd, uid: True)
         make_private_dir = staticmethod(lambda h, name, uid: f"/tmp/{name}")
 
@@ -399,7 +403,7 @@ def test_a_plain_calls_uid_whose_leftovers_stay_awhile_comes_back_once_they_go(m
         return len(tries) >= 3              # gone at the third look
 
     fncall = SimpleNamespace(kill_leftovers=lambda h, uid, own_range=True: 0, remove_shm_files=remove_shm_files,
-                             remove_ipc=lambda h, uid: True, remove_mqueues=lambda fd, uid: True,
+                             remove_ipc=lambda h, uid: True, own_ipc=lambda h: False, remove_mqueues=lambda fd, uid: True,
                              remove_private_dir=lambda h, name: True)
 
     async def go():
@@ -535,7 +539,7 @@ def test_a_dropped_call_sandbox_goes_after_its_plain_calls_clean_ups(monkeypatch
         return False                        # what it left stays: tried again and again
 
     fncall = SimpleNamespace(kill_leftovers=lambda h, uid, own_range=True: 0, remove_shm_files=remove_shm_files,
-                             remove_ipc=lambda h, uid: True, remove_mqueues=lambda fd, uid: True,
+                             remove_ipc=lambda h, uid: True, own_ipc=lambda h: False, remove_mqueues=lambda fd, uid: True,
                              remove_private_dir=lambda h, name: True,
                              destroy_box=lambda box_id, h: steps.append("destroyed"))
 
