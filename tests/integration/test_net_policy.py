@@ -579,17 +579,11 @@ def test_a_datagram_on_the_sandbox_s_loopback_marks_no_peer_whatever_its_source(
     net.unpublish(a.name, 5353, protocol="udp")
 
 
-def test_a_peer_left_in_udp_peers_is_not_answered_once_the_port_is_unpublished(world, sandbox):
-    """Unpublish deletes the port's `udp_published` entry, then reads
-    `udp_peers` for its peers and deletes them. A datagram whose
-    dsec_ingress found the port still published, and marked its sender
-    after that read, left a peer behind, and the sandbox could answer it
-    from the port after the unpublish, whatever its allowlist said. A
-    peer is answered only while its port is published; the leftover is
-    made here by hand."""
+def _udp_port_5353_published(world, sandbox):
+    """A sandbox bound to UDP 5353 and publishing it: (its network service,
+    the sandbox, the bridge's gateway, send(src_port): a datagram from the
+    gateway's src_port to the sandbox's port, sent from the bridge's netns)."""
     import socket
-
-    from dsecd.net.policy import _FLOW, _UDP_PORT
 
     net = world.net
     a = sandbox([])
@@ -605,7 +599,23 @@ def test_a_peer_left_in_udp_peers_is_not_answered_once_the_port_is_unpublished(w
             s.bind((gateway, src_port))
             s.sendto(b"ask", (own, 5353))
 
-    world.in_bridge_netns(send, 40010)
+    return net, a, gateway, lambda src_port: world.in_bridge_netns(send, src_port)
+
+
+def test_a_peer_left_in_udp_peers_is_not_answered_once_the_port_is_unpublished(world, sandbox):
+    """Unpublish deletes the port's `udp_published` entry, then reads
+    `udp_peers` for its peers and deletes them. A datagram whose
+    dsec_ingress found the port still published, and marked its sender
+    after that read, left a peer behind, and the sandbox could answer it
+    from the port after the unpublish, whatever its allowlist said. A
+    peer is answered only while its port is published; the leftover is
+    made here by hand."""
+    import socket
+
+    from dsecd.net.policy import _FLOW, _UDP_PORT
+
+    net, a, gateway, send = _udp_port_5353_published(world, sandbox)
+    send(40010)
     assert a.ask(op="udpanswer", port=5353) == {"from": [gateway, 40010], "ok": True}
     key = net._sbs[a.name].cgroup_id
     publication = net.engine.udp_published.lookup(_UDP_PORT.pack(key, (5353).to_bytes(2, "big")))
@@ -614,7 +624,7 @@ def test_a_peer_left_in_udp_peers_is_not_answered_once_the_port_is_unpublished(w
                           (5353).to_bytes(2, "big"), 4)
     net.engine.udp_peers.update(leftover, publication)      # marked under the publication that was
     try:
-        world.in_bridge_netns(send, 40011)
+        send(40011)
         assert a.ask(op="udpanswer", port=5353) == {"from": [gateway, 40011], "errno": "EPERM"}
     finally:
         net.engine.udp_peers.delete(leftover)
@@ -632,21 +642,8 @@ def test_a_peer_marked_under_an_earlier_publication_is_not_answered_under_a_late
 
     from dsecd.net.policy import _FLOW
 
-    net = world.net
-    a = sandbox([])
-    own = net.show(a.name)["lease"]["ipv4"].split("/")[0]
-    gateway = f"10.{world.octet}.0.1"
-    assert a.ask(op="udpbind", port=5353) == {"ok": True}
-    net.publish(a.name, 5353, protocol="udp")
-    ip_transparent = getattr(socket, "IP_TRANSPARENT", 19)
-
-    def send(src_port: int) -> None:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.setsockopt(socket.SOL_IP, ip_transparent, 1)
-            s.bind((gateway, src_port))
-            s.sendto(b"ask", (own, 5353))
-
-    world.in_bridge_netns(send, 40020)
+    net, a, gateway, send = _udp_port_5353_published(world, sandbox)
+    send(40020)
     assert a.ask(op="udpanswer", port=5353) == {"from": [gateway, 40020], "ok": True}
     assert a.ask(op="udpsendto", port=5353, host=gateway, to=40020) == {"ok": True}     # a marked peer
     peer = _FLOW.pack(net._sbs[a.name].cgroup_id, socket.inet_aton(gateway) + bytes(12),
@@ -660,7 +657,7 @@ def test_a_peer_marked_under_an_earlier_publication_is_not_answered_under_a_late
     net.publish(a.name, 5353, protocol="udp")
     try:
         assert a.ask(op="udpsendto", port=5353, host=gateway, to=40020) == {"errno": "EPERM"}
-        world.in_bridge_netns(send, 40020)          # it writes to this publication: answered again
+        send(40020)          # it writes to this publication: answered again
         assert a.ask(op="udpanswer", port=5353) == {"from": [gateway, 40020], "ok": True}
         assert a.ask(op="udpsendto", port=5353, host=gateway, to=40020) == {"ok": True}
     finally:

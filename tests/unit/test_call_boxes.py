@@ -7,15 +7,12 @@ import asyncio
 import threading
 from types import SimpleNamespace
 
+from capacity_kit import holding_capacity, room_as_it_is
 from loop_kit import workers_on_loop
 
 from dsecd.engine.calls import CallService
 from dsecd.engine.execs import ExecLimits
 from dsecd.engine.starts import ProcessStarter
-
-
-async def _room_as_it_is(cpu, memory) -> None:
-    """A capacity with nothing to drop for a call sandbox's room."""
 
 
 async def _until(cond) -> None:
@@ -51,8 +48,7 @@ def test_a_call_sandbox_made_of_an_image_rebuilt_meanwhile_is_not_kept():
                                                                   release=seen["released"].append))
     ranges = SimpleNamespace(take=lambda: "range", give_back=lambda idmap: None)
     held: dict[str, tuple] = {}
-    capacity = SimpleNamespace(room_for_call_sandbox=_room_as_it_is, hold_call_sandbox=lambda box_id, cpu, memory: held.setdefault(box_id, (cpu, memory)),
-                               release_call_sandbox=lambda box_id: held.pop(box_id))
+    capacity = holding_capacity(held)
 
     async def go():
         with workers_on_loop() as workers:
@@ -95,7 +91,7 @@ def test_a_call_refused_by_a_full_host_counts_as_busy():
     def full(box_id, cpu, memory):
         raise Busy("host is full: 2 sandboxes of max 2; retry later or on another host")
 
-    capacity = SimpleNamespace(room_for_call_sandbox=_room_as_it_is, hold_call_sandbox=full, release_call_sandbox=lambda box_id: None)
+    capacity = SimpleNamespace(room_for_call_sandbox=room_as_it_is, hold_call_sandbox=full, release_call_sandbox=lambda box_id: None)
 
     async def go():
         with workers_on_loop() as workers:
@@ -138,8 +134,7 @@ def test_idle_call_sandboxes_go_for_a_create_once_and_never_serve_a_call_again()
 
     ranges = SimpleNamespace(take=lambda: "range", give_back=lambda idmap: None)
     held: dict[str, tuple] = {}
-    capacity = SimpleNamespace(room_for_call_sandbox=_room_as_it_is, hold_call_sandbox=lambda box_id, cpu, memory: held.setdefault(box_id, (cpu, memory)),
-                               release_call_sandbox=lambda box_id: held.pop(box_id))
+    capacity = holding_capacity(held)
 
     async def go():
         with workers_on_loop() as workers:

@@ -11,6 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from capacity_kit import holding_capacity, room_as_it_is
 from loop_kit import workers_on_loop
 from proc_kit import running
 
@@ -21,10 +22,6 @@ from dsecd.engine.idranges import IdRanges
 from dsecd.engine.network import NetworkService
 from dsecd.engine.starts import ProcessStarter
 from dsecd.fs.users import ProcessIds
-
-
-async def _room_as_it_is(cpu, memory) -> None:
-    """A capacity with nothing to drop for a call sandbox's room."""
 
 
 class _Backend:
@@ -359,8 +356,7 @@ class _FakeInitExec:
 def _call_node(workers, fncall) -> CallService:
     """A call service with what _plain_call uses (a fake fncall backend), and nothing else."""
     limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
-    from types import SimpleNamespace
-    capacity = SimpleNamespace(room_for_call_sandbox=_room_as_it_is, hold_call_sandbox=lambda box_id, cpu, memory: None,
+    capacity = SimpleNamespace(room_for_call_sandbox=room_as_it_is, hold_call_sandbox=lambda box_id, cpu, memory: None,
                                release_call_sandbox=lambda box_id: None)
     return CallService(fncall, {}, {}, 100_000, None, None, workers, ProcessStarter(workers), limits, -1,
                        IdRanges(None), capacity)
@@ -444,8 +440,7 @@ def test_a_call_sandbox_made_for_a_cancelled_request_is_destroyed_once_made():
                                                     release=lambda digests: seen["released"].append(digests)))
     ranges = SimpleNamespace(take=lambda: "range-1", give_back=lambda idmap: seen["given_back"].append(idmap))
     held: dict[str, tuple] = {}
-    capacity = SimpleNamespace(room_for_call_sandbox=_room_as_it_is, hold_call_sandbox=lambda box_id, cpu, memory: held.setdefault(box_id, (cpu, memory)),
-                               release_call_sandbox=lambda box_id: held.pop(box_id))
+    capacity = holding_capacity(held)
 
     async def go():
         with workers_on_loop() as workers:
