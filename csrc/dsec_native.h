@@ -254,6 +254,7 @@ int dsec_peer_tree(int pidfd, int rootfd, const char *path, const struct dsec_re
                    struct dsec_err *err);
 int dsec_attach_tree(int tree, const char *target);
 int dsec_spawn_exec(const struct dsec_exec_args *args, struct dsec_err *err);
+int dsec_kill_uid_in(int pidfd, uint32_t uid);
 int dsec_pidfd_open(int pid, unsigned int flags);
 int dsec_pidfd_send_signal(int pidfd, int sig);
 
@@ -406,7 +407,6 @@ int dsec_fsids_set(uint32_t uid, uint32_t gid);
 int dsec_reader_ids_set(const struct dsec_reader *reader);
 int dsec_thread_groups_set(const uint32_t *groups, int n);
 int dsec_caps_raise(void);
-int dsec_kill_uid(uint32_t uid);
 /* tarerofs.c: an OCI layer's tar stream into an EROFS image (-EOPNOTSUPP:
  * a layer it does not serve; -EINVAL: bad content, dsec_tarfs_error says what) */
 struct dsec_tarfs;

@@ -1499,6 +1499,71 @@ int dsec_spawn_exec(const struct dsec_exec_args *a, struct dsec_err *err)
     return rc;
 }
 
+/* ---- a call's leftovers, killed by uid in its sandbox --------------------- */
+
+struct kill_ctx {
+    int pidfd;         /* the sandbox's init */
+    uint32_t uid;      /* host uid of the call */
+    void *child_top;
+    int rc;            /* 0, or -errno of the step that failed */
+};
+
+/* In the sandbox's pid namespace: kill(-1) as the uid reaches each of the
+ * uid's processes there at once (the kernel fails a fork whose parent has the
+ * signal pending: nothing outruns it), and no process outside that namespace,
+ * which this one cannot see: another sandbox's (another daemon's, whose id
+ * ranges may overlap this one's) or the host's of the same uid. All signals
+ * stay blocked (clone_blocked): no handler of the daemon runs here. */
+static int kill_as_uid(void *arg)
+{
+    struct kill_ctx *k = arg;
+
+    if (syscall(SYS_setresuid, k->uid, k->uid, k->uid) < 0 ||
+        (syscall(SYS_kill, -1, SIGKILL) < 0 && errno != ESRCH))
+        k->rc = -errno;
+    _exit(0);
+}
+
+/* setns(CLONE_NEWPID) only places children: the kill runs in a second clone. */
+static int kill_helper(void *arg)
+{
+    struct kill_ctx *k = arg;
+    pid_t pid;
+
+    if (setns(k->pidfd, CLONE_NEWPID) < 0) {
+        k->rc = -errno;
+        _exit(0);
+    }
+    pid = clone(kill_as_uid, k->child_top, CLONE_VM | CLONE_VFORK | SIGCHLD, k);
+    if (pid < 0)
+        k->rc = -errno;
+    else
+        reap(pid);
+    _exit(0);
+}
+
+/* SIGKILL every process of host uid `uid` in the pid namespace of pidfd's
+ * process (a call sandbox's init). 0, or -errno; uid 0 is refused. */
+int dsec_kill_uid_in(int pidfd, uint32_t uid)
+{
+    struct kill_ctx k = {.pidfd = pidfd, .uid = uid, .rc = 0};
+    struct stacks st = {0};
+    struct dsec_err err;
+    pid_t pid;
+
+    if (uid == 0)
+        return -EINVAL;
+    err_set(&err, DSEC_STEP_NONE, 0, NULL);
+    if (stacks_map(&st, 2, &err) < 0)
+        return -err.err;
+    k.child_top = stack_top(&st, 1);
+    pid = clone_blocked(kill_helper, stack_top(&st, 0), CLONE_VM | CLONE_VFORK | SIGCHLD, &k, &err);
+    if (pid > 0)
+        reap(pid);
+    stacks_unmap(&st);
+    return pid < 0 ? -err.err : k.rc;
+}
+
 /* ---- pidfds -------------------------------------------------------------- */
 
 int dsec_pidfd_open(int pid, unsigned int flags)

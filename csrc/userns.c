@@ -257,27 +257,3 @@ int dsec_thread_groups_set(const uint32_t *groups, int n)
 {
     return syscall(SYS_setgroups, n, groups) < 0 ? -errno : 0;
 }
-
-/* SIGKILL every process of host uid `uid` (a call's, in its call sandbox's
- * id range) from the calling thread: for the kill its real and effective
- * uid are `uid` (the saved one stays 0, to take root back), so kill(-1)
- * reaches each process of the uid at once, whatever its process group or
- * parent, and the kernel fails a fork whose parent has the signal pending:
- * nothing of the uid outruns it. Raw syscalls: this thread only. No process
- * of the uid can name this thread (its tid is not in their pid namespace),
- * and a signal to the daemon's pid is checked against its main thread.
- * 0 (none left to run, or none there), or -errno; uid 0 is refused. */
-int dsec_kill_uid(uint32_t uid)
-{
-    int rc = 0;
-
-    if (uid == 0)
-        return -EINVAL;
-    if (syscall(SYS_setresuid, uid, uid, 0) < 0)
-        return -errno;
-    if (syscall(SYS_kill, -1, SIGKILL) < 0 && errno != ESRCH)
-        rc = -errno;
-    if (syscall(SYS_setresuid, 0, 0, 0) < 0)
-        abort(); /* a daemon thread left with a call's uid must not go on */
-    return rc;
-}

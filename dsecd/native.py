@@ -48,7 +48,7 @@ __all__ = [
     "RESOLVE_BENEATH", "RESOLVE_NO_XDEV", "RESOLVE_CACHED", "TarErofs", "TarErofsError",
     # processes and namespaces
     "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "pidfd_kill_group", "netns_create", "userns_create",
-    "fs_ids", "reader_ids", "Reader", "kill_uid", "sched_set_idle", "sched_core_create", "sched_core_share_from",
+    "fs_ids", "reader_ids", "Reader", "kill_uid_in", "sched_set_idle", "sched_core_create", "sched_core_share_from",
     "PAGE_SIZE", "root_ns",
     "RootEntry", "vm_root", "MS_RDONLY", "MS_NOSUID", "MS_NODEV", "MS_NOEXEC",
     # memory
@@ -871,12 +871,14 @@ class fs_ids:
         return False
 
 
-def kill_uid(uid: int) -> None:
+def kill_uid_in(pidfd: int, uid: int) -> None:
     """SIGKILL every process of host uid `uid` (a call's, in a call
-    sandbox's id range; never 0) with nothing of it able to outrun the kill
-    (csrc/userns.c dsec_kill_uid). On this thread only, for the kill."""
+    sandbox's id range; never 0) in the pid namespace of pidfd's process
+    (the call sandbox's init), with nothing of it able to outrun the kill,
+    and nothing of that uid outside that namespace reached (csrc/spawn.c
+    dsec_kill_uid_in)."""
     _id("uid", uid)
-    rc = lib.dsec_kill_uid(uid)
+    rc = lib.dsec_kill_uid_in(pidfd, uid)
     if rc < 0:
         raise_error(-rc, "kill the processes of", f"uid {uid}", "kill_uid")
 

@@ -424,16 +424,18 @@ class FnCallBackend:
     @staticmethod
     def kill_leftovers(h: Handle, host_uid: int, own_range: bool = True) -> int:
         """SIGKILL everything of a plain call's uid (as the host sees it) by
-        that uid, where it is of the call sandbox's own id range (`own_range`:
-        a user namespace; no other process of the host has it): native.kill_uid,
-        which nothing outruns, where a walk of init's children can miss a
-        process forked after it looked. Then look for what is
+        that uid in the call sandbox's pid namespace, where the uid is of the
+        call sandbox's own id range (`own_range`: a user namespace):
+        native.kill_uid_in, which nothing outruns, where a walk of init's
+        children can miss a process forked after it looked, and which reaches
+        no process of that uid outside the call sandbox (another daemon's
+        sandboxes may have the same host ids). Then look for what is
         left to the call sandbox's init (the zygote's own check, with init's
         host pid) and to this daemon: forked by the helper, a plain call is
         the daemon's child, and clone(CLONE_PARENT) by it gives its child the
         same parent (reaped here). How many still ran."""
         if own_range:
-            native.kill_uid(host_uid)
+            native.kill_uid_in(h.pidfd, host_uid)
         return kill_leftovers(host_uid, h.init_pid) + _kill_own_children(h, host_uid)
 
     @staticmethod

@@ -164,10 +164,10 @@ class Daemon:
                                     ("daemon", "socket", self.socket), ("sandbox", "cgroup_root", self.cgroup_root),
                                     ("net", "bridge", self.bridge)):
             text = with_setting(text, section, key, value)
-        # Host ids of their own, unless the test names a base: the kill of a
-        # plain call's leftovers by uid (csrc/userns.c dsec_kill_uid) reaches
-        # every process of that host uid, and test daemons alive at once
-        # would otherwise give their first call sandboxes the same ids.
+        # Host ids of their own, unless the test names a base: test daemons
+        # alive at once would otherwise give their first sandboxes the same
+        # host ids, and a test that looks for a sandbox's processes by uid
+        # could find another daemon's.
         if not re.search(r"^\s*userns_base\s*=", text, re.M):
             base = 1_000_000_000 + 65536 * secrets.randbelow(30_000)
             text = text.replace("[sandbox]\n", f"[sandbox]\nuserns_base = {base}\n", 1)

@@ -951,6 +951,27 @@ def test_what_a_call_leaves_running_is_killed(client, py_image, path):
     assert client.call(py_image if path == "zygote" else "busybox", argv=["true"]).exit_code == 0
 
 
+def test_a_plain_calls_end_spares_processes_of_its_uid_outside_its_sandbox(client):
+    """What a plain call left running is killed by its uid in its call
+    sandbox only: a process of the same host uid outside it (another
+    daemon's sandbox whose id range overlaps this one's, or the host's own)
+    runs on."""
+    r = client.call("busybox", argv=["sh", "-c", "id -u; cat /proc/self/uid_map"])
+    in_uid, first, host_first, _count = map(int, r.stdout.split())
+    uids = range(in_uid, in_uid + 4)         # the next call's is one of these
+    outside = [subprocess.Popen(["setpriv", f"--reuid={host_first + u - first}", f"--regid={host_first + u - first}",
+                                 "--clear-groups", "sleep", "60"]) for u in uids]
+    try:
+        r = client.call("busybox", argv=["sh", "-c", "setsid sleep 3333 & id -u"])
+        assert int(r.stdout) in uids, r
+        assert _gone_soon(b"sleep\x003333")      # killed by its uid: the same kill would reach `outside`
+        assert [p.poll() for p in outside] == [None] * len(uids), "a process of a call's uid outside was killed"
+    finally:
+        for p in outside:
+            p.kill()
+            p.wait()
+
+
 def test_garbage_on_a_workers_link_does_not_kill_the_zygote(client, py_image):
     """A code call holds its worker's link to the zygote (fd 3): what it
     writes there must not take down the zygote, and with it every call in

@@ -258,9 +258,10 @@ def test_init_binary_is_installed_and_static():
     assert 3 not in types  # no PT_INTERP: needs no ld.so, runs in any rootfs
 
 
-def test_kill_uid_refuses_root_and_leaves_the_thread_as_it_was():
-    """kill(-1) as root would reach every process of the host: refused.
-    A uid no process has: nothing to kill, and the thread is root again."""
+def test_kill_uid_in_refuses_root_and_a_bad_pidfd():
+    """kill(-1) as root would reach every process of the namespace: refused.
+    A uid no process has: nothing to kill, no error, and this thread's ids
+    untouched (the kill runs in a process of its own)."""
     import errno as errno_mod
     import os
 
@@ -269,14 +270,16 @@ def test_kill_uid_refuses_root_and_leaves_the_thread_as_it_was():
     from dsecd import native
 
     if os.geteuid() != 0:
-        pytest.skip("takes a uid: needs root")
+        pytest.skip("enters a pid namespace and takes a uid: needs root")
+    pidfd = os.pidfd_open(os.getpid())
+    try:
+        with pytest.raises(OSError) as exc:
+            native.kill_uid_in(pidfd, 0)
+        assert exc.value.errno == errno_mod.EINVAL
+        native.kill_uid_in(pidfd, 4_000_000_000)            # no process has it
+        assert os.getresuid() == (0, 0, 0)
+    finally:
+        os.close(pidfd)
     with pytest.raises(OSError) as exc:
-        native.kill_uid(0)
-    assert exc.value.errno == errno_mod.EINVAL
-    def caps() -> str:
-        with open("/proc/thread-self/status") as f:
-            return next(line for line in f if line.startswith("CapEff:"))
-
-    before = caps()
-    native.kill_uid(4_000_000_000)            # no process has it
-    assert os.getresuid() == (0, 0, 0) and caps() == before
+        native.kill_uid_in(-1, 60000)                       # no pidfd
+    assert exc.value.errno == errno_mod.EBADF
