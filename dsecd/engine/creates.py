@@ -770,7 +770,9 @@ class CreateService:
         try:
             async with self.admission.slot(POOL_JOB):
                 self._refuse_if_drained()       # drained while this refill waited for its slot
-                result = await self.create_now(req, None)
+                # A spare is made ahead of any create: it waits for room,
+                # and drops no call sandbox between its calls for it.
+                result = await self.create_now(req, None, drop_idle_calls=False)
         except Busy as err:
             pool.error, pool.error_is_busy = str(err), True   # full: the next round tries again; `pool ls` says why
             return
@@ -1106,9 +1108,10 @@ class CreateService:
             steps.commit()
         return self._now_running(sb, started)
 
-    async def create_now(self, req, ctx, image: Image | None = None) -> dict:
+    async def create_now(self, req, ctx, image: Image | None = None, drop_idle_calls: bool = True) -> dict:
         """The create itself; `create` does keys, pools and the queue first.
-        `image`: the image to make it of, already resolved (else `req.image`'s)."""
+        `image`: the image to make it of, already resolved (else `req.image`'s);
+        `drop_idle_calls`: idle call sandboxes may go for its room (_room)."""
         started = time.monotonic()
         limits = self._limits_for(req)
         plan = self.cpu.plan(req.qos)
@@ -1150,7 +1153,8 @@ class CreateService:
                      policy=self.policy_for_create(req.policy))
         # Admitted once every setting was read: idle call sandboxes may be
         # dropped for its room, and must not be for a create that then fails.
-        refused = await self._room(functools.partial(self._admit, limits, plan.qos == qos.LS))
+        admit = functools.partial(self._admit, limits, plan.qos == qos.LS)
+        refused = await self._room(admit) if drop_idle_calls else admit()
         if refused is not None:
             raise refused
         if sb.lease:

@@ -192,9 +192,10 @@ def test_a_create_past_the_memory_an_idle_call_sandbox_holds_drops_it(daemon_fac
         c.close()
 
 
-def test_a_pool_refill_on_a_host_an_idle_call_sandbox_filled_takes_its_slot(daemon_factory, busybox_rootfs):
-    """A warm pool's refill goes through a create's admission: the idle
-    call sandbox filling the host goes, and the spare is made."""
+def test_a_pool_refill_on_a_host_an_idle_call_sandbox_filled_drops_none(daemon_factory, busybox_rootfs):
+    """A warm pool's spare is made ahead of any create: it does not drop
+    a call sandbox between its calls (a call cannot drop a spare back),
+    and waits for room as on any full host, its pool saying why."""
     d = daemon_factory("[limits]\nmax_sandboxes = 1\n[fncall]\ncpu = 0.5\nmemory = \"96M\"\nzygote = false\n")
     c = d.client()
     try:
@@ -203,9 +204,10 @@ def test_a_pool_refill_on_a_host_an_idle_call_sandbox_filled_takes_its_slot(daem
         name = c.pool_set("busybox", 1, 1, cpu=0.5, memory="64M")["name"]
         while not ((pool := next(p for p in c.pool_list() if p["name"] == name))["ready"] or pool["error"]):
             time.sleep(0.05)
-        assert (pool["ready"], pool["error"]) == (1, None), pool
+        assert pool["ready"] == 0 and "host is full" in pool["error"], pool
         info = c.info()["fncall"]
-        assert info["boxes"] == [] and info["dropped_for_creates"] == 1, info
+        assert [b["image"] for b in info["boxes"]] == ["busybox"] and info["dropped_for_creates"] == 0, info
+        assert c.call("busybox", argv=["echo", "hi"]).stdout == b"hi\n"
     finally:
         c.close()
 

@@ -155,7 +155,7 @@ def test_a_pool_whose_refills_fail_backs_off():
         svc._refills = set()
         svc.workers = SimpleNamespace(loop=asyncio.get_running_loop())
 
-        async def create_now(req, image):
+        async def create_now(req, ctx, drop_idle_calls=True):
             tries.append(req.image)
             raise NotFound("no image 'gone'")
 
