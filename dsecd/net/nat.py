@@ -232,30 +232,42 @@ def forget_address(ns_path: str | None, address: str, ipv6: Ipv6Forgets | None =
     if addr.version == 6:
         if ipv6 is not None:
             return ipv6.forget(addr.packed)
-        return _forget_ipv6(ns_path, {addr.packed})[addr.packed]
+        n = _forget_ipv6(ns_path, {addr.packed})[addr.packed]
+        if isinstance(n, NatError):
+            raise n
+        return n
     return _forget(ns_path, [NFCTAttrTuple(saddr=str(addr)), NFCTAttrTuple(daddr=str(addr))],
                    lambda _entry: True)
 
 
-def _forget_ipv6(ns_path: str | None, addresses: set[bytes]) -> dict[bytes, int]:
+def _forget_ipv6(ns_path: str | None, addresses: set[bytes]) -> dict[bytes, int | NatError]:
     """Delete the IPv6 entries of the netns' table whose original direction
     is from or to one of `addresses` (packed, 16 bytes each), in one dump of
-    the table; how many of each address's."""
+    the table; how many of each address's, or the NatError of the first of
+    its entries the kernel would not delete (EBUSY: offloaded to a flow
+    table). Such an entry fails its own address only: the others of the
+    dump, its address's too, are still deleted. NatError if the dump fails."""
     # Few addresses: a substring search per message skips the parse of most.
     # Many: each message is parsed (a few us) rather than searched for each.
     containing = next(iter(addresses)) if len(addresses) == 1 else b""
     counts = dict.fromkeys(addresses, 0)
+    errors: dict[bytes, NatError] = {}
     with _maybe_netns(ns_path):
         s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_NETFILTER)
     try:
         with ctdump.CtSocket(s) as ct:
             for entry in ct.dump(socket.AF_INET6, containing=containing):
                 addr = entry.src if entry.src in counts else entry.dst if entry.dst in counts else None
-                if addr is not None and ct.delete(socket.AF_INET6, entry):
-                    counts[addr] += 1
-        return counts
+                if addr is None:
+                    continue
+                try:
+                    if ct.delete(socket.AF_INET6, entry):
+                        counts[addr] += 1
+                except ctdump.CtError as err:
+                    errors.setdefault(addr, NatError(err.errno, err.strerror))
+        return {**counts, **errors}
     except ctdump.CtError as err:
-        raise NatError(err.errno, str(err)) from err
+        raise NatError(err.errno, err.strerror) from err
     finally:
         s.close()
 
@@ -299,8 +311,9 @@ class Ipv6Forgets:
                     self._dumping = False
                     self.dumps += 1
                 for addr, callers in batch.items():
-                    for caller in callers:
-                        caller[:] = [True, counts.get(addr, 0), error]
+                    n = counts.get(addr, 0)
+                    for caller in callers:      # an entry it could not delete fails its address's
+                        caller[:] = [True, 0, n] if isinstance(n, NatError) else [True, n, error]
                 self._cond.notify_all()
         if mine[2] is not None:
             raise mine[2]

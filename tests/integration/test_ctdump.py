@@ -139,3 +139,36 @@ def test_a_failed_shared_dump_fails_every_caller_it_served_and_no_later_one(netn
             first.result(30)
         assert second.result(30) == 1          # its own dump, after the failed one
     assert nat.forget_address(netns, "fd00::1", forgets) == 1
+
+
+def test_a_delete_refused_in_a_shared_dump_fails_only_its_address(netns, monkeypatch):
+    """An entry the kernel will not delete (EBUSY: offloaded to a flow
+    table) fails the forget of its own address; the dump it was part of
+    goes on and deletes the entries of every other address, and of its
+    own that it can."""
+    ours, busy = ipaddress.ip_address("fd00::1").packed, ipaddress.ip_address("fd00::2").packed
+    _add(netns, [("fd00::1", "fd01::1", 9000), ("fd00::2", "fd01::1", 9001), ("fd01::1", "fd00::2", 9002),
+                 ("fd00::1", "fd01::1", 9003)])
+    real = ctdump.CtSocket.delete
+
+    def delete(self, family, entry):
+        if entry.src == busy and entry.dst != busy:
+            raise ctdump.CtError(errno.EBUSY, "conntrack: Device or resource busy")
+        return real(self, family, entry)
+
+    monkeypatch.setattr(ctdump.CtSocket, "delete", delete)
+    forgets = nat.Ipv6Forgets(netns)
+    dumps = _hold_first_dump_until(monkeypatch, forgets, queued=2)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        first = pool.submit(nat.forget_address, netns, "fd00::9", forgets)
+        while not dumps:
+            time.sleep(0.005)
+        mine = pool.submit(nat.forget_address, netns, "fd00::1", forgets)
+        theirs = pool.submit(nat.forget_address, netns, "fd00::2", forgets)
+        assert first.result(30) == 0
+        assert mine.result(30) == 2
+        with pytest.raises(nat.NatError) as err:
+            theirs.result(30)
+    assert err.value.errno == errno.EBUSY
+    assert dumps[1:] == [{ours, busy}], dumps           # one dump for both
+    assert _table(netns, socket.AF_INET6) == {("fd00::2", "fd01::1", 9001)}
