@@ -204,9 +204,13 @@ class CallService:
         image makes a new one, admitted as any), and this waits until they
         are destroyed and their holdings given back, or DROP_WAIT_S at most
         (a destroy that fails keeps them held while it is tried again).
-        False, dropping none, when even every idle one would not make room;
-        without `drop`, whether they would, and none goes. `purpose`: "create",
-        or "call" for another image's new call sandbox (counted apart)."""
+        True once they are destroyed. False, dropping none, when even every
+        idle one would not make room; False as well when their destroys
+        did not end within DROP_WAIT_S: the caller is then refused rather
+        than dropping more of them while the first still hold the room.
+        Without `drop`, whether they would make room, and none goes.
+        `purpose`: "create", or "call" for another image's new call
+        sandbox (counted apart)."""
         idle = sorted((b for b in self.call_boxes.values() if not b.claims), key=lambda b: b.last_used)
         chosen: list[CallBox] = []
         for box in idle:
@@ -221,7 +225,11 @@ class CallService:
         self.call_stats[f"dropped_for_{purpose}s"] += len(chosen)
         if drops:
             # asyncio.wait: a cancel of the create stops no drop.
-            await asyncio.wait(drops, timeout=DROP_WAIT_S)
+            _done, pending = await asyncio.wait(drops, timeout=DROP_WAIT_S)
+            if pending:
+                log.warning("%d call sandboxes dropped for room on a full host not destroyed after %g s; "
+                            "the %s waiting for their room is refused", len(pending), DROP_WAIT_S, purpose)
+                return False
         return True
 
     async def close(self) -> None:

@@ -162,3 +162,49 @@ def test_idle_call_sandboxes_go_for_a_create_once_and_never_serve_a_call_again()
     assert destroyed == [old.id] and set(held) == {claimed.id, newer.id, again.id}
     assert node.call_boxes == {"claimed": claimed, "newer": newer, "old": again}
     assert node.call_stats["dropped_for_creates"] == 1
+
+
+def test_a_create_whose_dropped_call_sandbox_is_not_destroyed_in_time_drops_no_more(monkeypatch):
+    """A dropped call sandbox whose destroy does not end within DROP_WAIT_S
+    (one that fails is tried again later) still holds the room: the drop
+    answers False, so the create is refused instead of dropping the next
+    idle one, and the next."""
+    from dsecd.engine import calls
+
+    monkeypatch.setattr(calls, "DROP_WAIT_S", 0.05)
+    image = SimpleNamespace(layer_digests=["sha256:l1"], config={}, source=None)
+    store = SimpleNamespace(get=lambda name: image, changed=[], key=lambda name: name)
+    images = SimpleNamespace(images=store, layers=SimpleNamespace(acquire=lambda digests: [],
+                                                                  release=lambda digests: None))
+    go_on = threading.Event()
+
+    class FnCall:
+        def create_box(self, box_id, lowerdirs, limits, plan, idmap):
+            return SimpleNamespace(box=box_id)
+
+        def mqueue_dir(self, handle):
+            return -1
+
+        def destroy_box(self, box_id, handle):
+            go_on.wait(10)
+
+    held: dict[str, tuple] = {}
+
+    async def go():
+        with workers_on_loop() as workers:
+            limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
+            node = CallService(FnCall(), {"cpu": 1, "memory": "64M", "pids": 64, "qos": "be", "uid_base": 60000,
+                                          "uid_count": 4, "max_boxes": 0}, {}, 100_000, images,
+                               SimpleNamespace(plan=lambda qos: None), workers, ProcessStarter(workers), limits, -1,
+                               SimpleNamespace(take=lambda: "range", give_back=lambda idmap: None),
+                               holding_capacity(held))
+            for name in ("a", "b"):
+                (await node._call_box(name)).claims -= 1
+            try:
+                return await node.drop_idle_for_create(lambda ids: len(ids) >= 1), node
+            finally:
+                go_on.set()
+
+    answer, node = asyncio.run(go())
+    assert answer is False
+    assert len(node.call_boxes) == 1 and node.call_stats["dropped_for_creates"] == 1
