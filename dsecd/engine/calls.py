@@ -181,20 +181,24 @@ class CallService:
         cap = self.fn_cfg["max_boxes"]
         drops = []
         while cap and len(self.call_boxes) + self._making >= cap:
-            idle = [b for b in self.call_boxes.values() if not b.claims]
+            idle = self._idle_boxes()
             if not idle:
                 self.call_stats["busy"] += 1
                 raise Busy(f"{cap} call sandboxes (fncall.max_boxes), each with calls running; retry shortly",
                            {"max": cap, "retry_after_s": 0.05})
-            drop = self._retire(min(idle, key=lambda b: b.last_used),
-                                f"the least recently used idle one of fncall.max_boxes ({cap})")
+            drop = self._retire(idle[0], f"the least recently used idle one of fncall.max_boxes ({cap})")
             if drop is not None:
                 drops.append(drop)
         return drops
 
+    def _idle_boxes(self) -> list[CallBox]:
+        """The call sandboxes no call claims, least recently used first: those
+        dropped for room."""
+        return sorted((b for b in self.call_boxes.values() if not b.claims), key=lambda b: b.last_used)
+
     def idle_ids(self) -> list[str]:
         """The ids of the call sandboxes no call claims: those a create may drop."""
-        return [b.id for b in self.call_boxes.values() if not b.claims]
+        return [b.id for b in self._idle_boxes()]
 
     async def drop_idle_for_create(self, enough, drop: bool = True, purpose: str = "create") -> bool:
         """Room for a create the host has none for (CreateService._room):
@@ -211,9 +215,8 @@ class CallService:
         Without `drop`, whether they would make room, and none goes.
         `purpose`: "create", or "call" for another image's new call
         sandbox (counted apart)."""
-        idle = sorted((b for b in self.call_boxes.values() if not b.claims), key=lambda b: b.last_used)
         chosen: list[CallBox] = []
-        for box in idle:
+        for box in self._idle_boxes():
             chosen.append(box)
             if enough([b.id for b in chosen]):
                 break

@@ -266,8 +266,9 @@ class CreateService:
         # key -> create_args_digest of the create under way that took it.
         self._key_args_creating: dict[str, str] = {}
         # Set by whoever builds the services (dsecd/node.py: CallService.drop_idle_for_create):
-        # async (enough, drop) -> bool, dropping idle call sandboxes for a create
-        # the host has no room for (_room). None: none are dropped.
+        # async (enough, drop, purpose) -> bool, dropping idle call sandboxes
+        # for a create or call sandbox the host has no room for (_room). None:
+        # none are dropped.
         self.reclaim_idle_calls = None
         if images is not None:
             images.images.changed.append(self._image_changed)
@@ -851,19 +852,21 @@ class CreateService:
             raise BadRequest(f"disk must be between 1M and 1P, got {size} bytes")
         return upperfs.Cap(size, self.sb_defaults["disk_inodes"])
 
-    def _admit(self, limits: cgroup.Limits, ls: bool, gone: tuple[str, ...] = ()) -> Busy | None:
-        """Why a sandbox of `limits` is not admitted now (None: it is): the
-        host is full (limits.max_sandboxes), or its CPU or memory would pass
-        the host's capacity with it. `gone`: as if the call sandboxes of
-        these ids were destroyed."""
-        live = self.registry.live_count() - len(gone)
-        cap = self.limits["max_sandboxes"]
-        if live >= cap:
-            return Busy(f"host is full: {live} sandboxes of max {cap}; retry later or on another host",
-                        {"sandboxes": live, "max": cap})
+    def _refusal(self, cpu: float, memory: int, ls: bool, gone: tuple[str, ...] = (),
+                 count_queued: bool = True) -> Busy | None:
+        """Why a sandbox of `cpu` and `memory` is not admitted now (None: it
+        is): the host is full (limits.max_sandboxes; with `count_queued`, the
+        creates queued for a slot count too, as for anything that does not
+        hold one), or its CPU or memory would pass the host's capacity with
+        it (`ls`: an LS sandbox, under the rule on recent load). `gone`: as
+        if the call sandboxes of these ids were destroyed."""
+        full = self._full_with_queued(len(gone), count_queued)
+        if full is not None:
+            return Busy(*full)
         try:
-            self.cpu.admit(self.registry.requested(gone), limits.cpu, limits.memory_bytes, ls=ls)
+            self.cpu.admit(self.registry.requested(gone), cpu, memory, ls=ls)
         except Busy as err:
+            err.detail.setdefault("retry_after_s", self.adm_cfg["full_retry_after_s"])
             return err
         return None
 
@@ -890,13 +893,18 @@ class CreateService:
             why = refusal(())
         return why
 
-    def _full_with_queued(self, gone: int = 0) -> tuple[str, dict] | None:
-        """(message, detail) of `busy` when the live sandboxes and the creates
-        queued for a slot reach limits.max_sandboxes, else None; `gone`: as if
-        that many call sandboxes were destroyed."""
-        live, cap, queued = self.registry.live_count() - gone, self.limits["max_sandboxes"], self.admission.queued
+    def _full_with_queued(self, gone: int = 0, count_queued: bool = True) -> tuple[str, dict] | None:
+        """(message, detail) of `busy` when the live sandboxes, and the creates
+        queued for a slot unless not `count_queued` (a create that holds its
+        slot), reach limits.max_sandboxes, else None; `gone`: as if that many
+        call sandboxes were destroyed."""
+        live, cap = self.registry.live_count() - gone, self.limits["max_sandboxes"]
+        queued = self.admission.queued if count_queued else 0
         if live + queued < cap:
             return None
+        if not count_queued:
+            return (f"host is full: {live} sandboxes of max {cap}; retry later or on another host",
+                    {"sandboxes": live, "max": cap})
         return (f"host is full: {live} sandboxes and {queued} queued creates of max {cap}; "
                 "retry later or on another host",
                 {"sandboxes": live, "queued": queued, "max": cap,
@@ -913,30 +921,17 @@ class CreateService:
         it holds (_room). The creates queued for a slot count against
         limits.max_sandboxes, as they do for a new create: a call sandbox
         takes no slot a queued create was let in for."""
-        refused = self._call_sandbox_refusal(cpu, memory)
+        refused = self._refusal(cpu, memory, False)
         if refused is not None:
             raise refused
         self.registry.hold(box_id, cpu, memory)
-
-    def _call_sandbox_refusal(self, cpu: float, memory: int, gone: tuple[str, ...] = ()) -> Busy | None:
-        """Why a call sandbox of `cpu` and `memory` is not admitted now (None:
-        it is); `gone`: as if the call sandboxes of these ids were destroyed."""
-        full = self._full_with_queued(len(gone))
-        if full is not None:
-            return Busy(*full)
-        try:
-            self.cpu.admit(self.registry.requested(gone), cpu, memory, ls=False)
-        except Busy as err:
-            err.detail.setdefault("retry_after_s", self.adm_cfg["full_retry_after_s"])
-            return err
-        return None
 
     async def room_for_call_sandbox(self, cpu: float, memory: int) -> None:
         """Before a call sandbox is made on a host with no room for it: the
         idle call sandboxes of other images that hold the room it needs go,
         least recently used first, as for a create (_room).
         hold_call_sandbox still decides whether it is admitted."""
-        await self._room(functools.partial(self._call_sandbox_refusal, cpu, memory), purpose="call")
+        await self._room(functools.partial(self._refusal, cpu, memory, False), purpose="call")
 
     def release_call_sandbox(self, box_id: str) -> None:
         self.registry.release(box_id)
@@ -1153,7 +1148,8 @@ class CreateService:
                      policy=self.policy_for_create(req.policy))
         # Admitted once every setting was read: idle call sandboxes may be
         # dropped for its room, and must not be for a create that then fails.
-        admit = functools.partial(self._admit, limits, plan.qos == qos.LS)
+        admit = functools.partial(self._refusal, limits.cpu, limits.memory_bytes, plan.qos == qos.LS,
+                                  count_queued=False)        # it holds its slot of the queue
         refused = await self._room(admit) if drop_idle_calls else admit()
         if refused is not None:
             raise refused

@@ -340,22 +340,26 @@ class SandboxRegistry:
     def requested(self, without: tuple[str, ...] = ()) -> Requested:
         """What the live sandboxes ask for, summed (no scan); `without`: as
         if the call sandboxes held under those keys were released."""
-        cpu, memory, gone = self._cpu, self._memory, 0
-        for key in without:
-            if key in self._held:
-                c, m = self._counted[key]
-                cpu, memory, gone = cpu - c, memory - m, gone + 1
-        return Requested(cpu=float(cpu), memory=memory, sandboxes=len(self._counted) - gone,
-                         call_sandboxes=len(self._held) - gone)
+        if not without:         # every create asks: no Fraction arithmetic
+            return Requested(cpu=float(self._cpu), memory=self._memory, sandboxes=len(self._counted),
+                             call_sandboxes=len(self._held))
+        cpu, memory, gone = self._held_sums(without)
+        return Requested(cpu=float(self._cpu - cpu), memory=self._memory - memory,
+                         sandboxes=len(self._counted) - gone, call_sandboxes=len(self._held) - gone)
 
     def held(self, keys) -> Requested:
         """What the call sandboxes held under `keys` (hold) ask for, summed."""
+        cpu, memory, n = self._held_sums(keys)
+        return Requested(cpu=float(cpu), memory=memory, sandboxes=n, call_sandboxes=n)
+
+    def _held_sums(self, keys) -> tuple[Fraction, int, int]:
+        """(CPU, memory, how many) of the call sandboxes held under `keys`."""
         cpu, memory, n = Fraction(0), 0, 0
         for key in keys:
             if key in self._held:
                 c, m = self._counted[key]
                 cpu, memory, n = cpu + c, memory + m, n + 1
-        return Requested(cpu=float(cpu), memory=memory, sandboxes=n, call_sandboxes=n)
+        return cpu, memory, n
 
     def save(self, sb: Sandbox) -> None:
         # A record is one line appended to the log (dsecd/journal.py): cheap

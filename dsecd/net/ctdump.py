@@ -64,27 +64,29 @@ def _attrs(buf: bytes, start: int, end: int):
         start += (length + 3) & ~3
 
 
+def _children(buf: bytes, span: tuple[int, int] | None) -> dict[int, tuple[int, int]]:
+    """type -> (value start, value end) of the attributes nested in the
+    value at `span` (the first of each type); {} for no span."""
+    out: dict[int, tuple[int, int]] = {}
+    for kind, vs, ve, _a0, _a1 in _attrs(buf, *span) if span else ():
+        out.setdefault(kind, (vs, ve))
+    return out
+
+
 def parse_entry(buf: bytes, start: int, end: int, family: int) -> Entry | None:
     """The entry of one CT_NEW message body (after its nfgenmsg), or None if
     it has no original tuple with both addresses."""
-    src_attr, dst_attr = _ADDR_ATTRS[family]
-    src = dst = None
-    key = []
+    orig, key = None, []
     for kind, vs, ve, a0, a1 in _attrs(buf, start, end):
         if kind == _CTA_TUPLE_ORIG:
+            orig = (vs, ve)
+        if kind in (_CTA_TUPLE_ORIG, _CTA_ID, _CTA_ZONE):
             key.append(buf[a0:a1])
-            for k2, vs2, ve2, _a, _b in _attrs(buf, vs, ve):
-                if k2 == _CTA_TUPLE_IP:
-                    for k3, vs3, ve3, _c, _d in _attrs(buf, vs2, ve2):
-                        if k3 == src_attr:
-                            src = bytes(buf[vs3:ve3])
-                        elif k3 == dst_attr:
-                            dst = bytes(buf[vs3:ve3])
-        elif kind in (_CTA_ID, _CTA_ZONE):
-            key.append(buf[a0:a1])
+    addrs = _children(buf, _children(buf, orig).get(_CTA_TUPLE_IP))
+    src, dst = (addrs.get(a) for a in _ADDR_ATTRS[family])
     if src is None or dst is None:
         return None
-    return Entry(src, dst, b"".join(key))
+    return Entry(bytes(buf[src[0]:src[1]]), bytes(buf[dst[0]:dst[1]]), b"".join(key))
 
 
 class CtSocket:

@@ -45,6 +45,7 @@ import socket
 import threading
 
 from . import ctdump
+from .ctdump import NETLINK_NETFILTER
 from .plumbing import in_netns, netlink_socket
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,6 @@ log = logging.getLogger(__name__)
 FAMILY = "inet"
 TABLE = "dsecd"
 DEFAULT_BRIDGE = "dsec0"
-NETLINK_NETFILTER = 12
 
 
 def table_name(bridge: str) -> str:
@@ -230,14 +230,16 @@ def forget_address(ns_path: str | None, address: str, ipv6: Ipv6Forgets | None =
 
     addr = ipaddress.ip_address(address)
     if addr.version == 6:
-        if ipv6 is not None:
-            return ipv6.forget(addr.packed)
-        n = _forget_ipv6(ns_path, {addr.packed})[addr.packed]
-        if isinstance(n, NatError):
-            raise n
-        return n
+        return (ipv6 or Ipv6Forgets(ns_path)).forget(addr.packed)
     return _forget(ns_path, [NFCTAttrTuple(saddr=str(addr)), NFCTAttrTuple(daddr=str(addr))],
                    lambda _entry: True)
+
+
+def _netfilter_socket(ns_path: str | None) -> socket.socket:
+    """A netfilter netlink socket opened in the netns (`ns_path`; None: this
+    one), which then speaks for that netns' conntrack table."""
+    with _maybe_netns(ns_path):
+        return socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_NETFILTER)
 
 
 def _forget_ipv6(ns_path: str | None, addresses: set[bytes]) -> dict[bytes, int | NatError]:
@@ -252,8 +254,7 @@ def _forget_ipv6(ns_path: str | None, addresses: set[bytes]) -> dict[bytes, int 
     containing = next(iter(addresses)) if len(addresses) == 1 else b""
     counts = dict.fromkeys(addresses, 0)
     errors: dict[bytes, NatError] = {}
-    with _maybe_netns(ns_path):
-        s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_NETFILTER)
+    s = _netfilter_socket(ns_path)
     try:
         with ctdump.CtSocket(s) as ct:
             for entry in ct.dump(socket.AF_INET6, containing=containing):
@@ -333,8 +334,7 @@ def _forget(ns_path: str | None, filters: list, wanted, family: int = socket.AF_
     from pyroute2 import Conntrack
     from pyroute2.netlink.exceptions import NetlinkError
 
-    with _maybe_netns(ns_path):
-        s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_NETFILTER)
+    s = _netfilter_socket(ns_path)
     try:
         s.bind((0, 0))
     except OSError:
