@@ -10,6 +10,12 @@ import pytest
 from dsecd.errors import BadRequest, Busy, NotFound
 
 
+def _memory_capacity(nbytes: int) -> str:
+    """A [cpu] table that makes the host's memory capacity `nbytes`."""
+    total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
+    return f"[cpu]\nmemory_oversubscription = {nbytes / total!r}\n"
+
+
 def test_admission_is_full_once_the_host_holds_max_sandboxes(daemon_factory, busybox_rootfs):
     """`admission.state` "open" says a sandbox of the default size would be
     admitted; at limits.max_sandboxes none is, whatever CPU and memory are
@@ -56,10 +62,7 @@ def test_a_call_sandbox_past_the_hosts_memory_capacity_is_busy(daemon_factory, b
     """With memory oversubscription set, a call sandbox whose [fncall]
     memory does not fit beside the live sandboxes' is refused, as a create
     would be."""
-    mem_total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo")
-                     if line.startswith("MemTotal:"))
-    d = daemon_factory(f"[cpu]\nmemory_oversubscription = {(300 << 20) / mem_total!r}\n"
-                       "[fncall]\nmemory = \"200M\"\n")
+    d = daemon_factory(_memory_capacity(300 << 20) + "[fncall]\nmemory = \"200M\"\n")
     c = d.client()
     try:
         c.import_image(busybox_rootfs, "busybox")
@@ -173,10 +176,7 @@ def test_a_create_past_the_memory_an_idle_call_sandbox_holds_drops_it(daemon_fac
     """Past the host's memory capacity, as at limits.max_sandboxes: the
     idle call sandbox goes and the create is admitted; a create that would
     not fit even without it is refused, and drops nothing."""
-    mem_total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo")
-                     if line.startswith("MemTotal:"))
-    d = daemon_factory(f"[cpu]\nmemory_oversubscription = {(300 << 20) / mem_total!r}\n"
-                       "[fncall]\nmemory = \"200M\"\nzygote = false\n")
+    d = daemon_factory(_memory_capacity(300 << 20) + "[fncall]\nmemory = \"200M\"\nzygote = false\n")
     c = d.client()
     try:
         c.import_image(busybox_rootfs, "busybox")

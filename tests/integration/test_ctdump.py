@@ -32,8 +32,7 @@ def netns():
 def _ct(ns_path: str, family: int):
     from pyroute2 import Conntrack
 
-    with nat._maybe_netns(ns_path):
-        s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, nat.NETLINK_NETFILTER)
+    s = nat._netfilter_socket(ns_path)
     s.bind((0, 0))
     return Conntrack(fileno=s.detach(), nfgen_family=family)
 
@@ -77,9 +76,7 @@ def test_an_ipv6_address_inside_another_is_not_taken_for_it(netns):
 
 def test_a_delete_of_an_entry_gone_meanwhile_is_no_error(netns):
     _add(netns, [("10.9.0.2", "10.9.0.3", 6000), ("10.9.0.2", "10.9.0.4", 6001)])
-    with nat._maybe_netns(netns):
-        s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, ctdump.NETLINK_NETFILTER)
-    with ctdump.CtSocket(s) as ct:
+    with ctdump.CtSocket(nat._netfilter_socket(netns)) as ct:
         entries = ct.dump(socket.AF_INET)
         assert {(socket.inet_ntop(socket.AF_INET, e.src), socket.inet_ntop(socket.AF_INET, e.dst))
                 for e in entries} == {("10.9.0.2", "10.9.0.3"), ("10.9.0.2", "10.9.0.4")}

@@ -7,12 +7,8 @@ import asyncio
 import threading
 from types import SimpleNamespace
 
-from capacity_kit import holding_capacity, room_as_it_is
+from call_kit import FakeFnCall, call_service, holding_capacity, images_of, room_as_it_is
 from loop_kit import workers_on_loop
-
-from dsecd.engine.calls import CallService
-from dsecd.engine.execs import ExecLimits
-from dsecd.engine.starts import ProcessStarter
 
 
 async def _until(cond) -> None:
@@ -43,20 +39,14 @@ def test_a_call_sandbox_made_of_an_image_rebuilt_meanwhile_is_not_kept():
         def destroy_box(self, box_id, handle):
             seen["destroyed"].append(box_id)
 
-    store = SimpleNamespace(get=lambda name: named[name], changed=[], key=lambda name: name)
-    images = SimpleNamespace(images=store, layers=SimpleNamespace(acquire=lambda digests: [],
-                                                                  release=seen["released"].append))
-    ranges = SimpleNamespace(take=lambda: "range", give_back=lambda idmap: None)
+    images = images_of(lambda name: named[name], seen["released"].append)
+    store = images.images
     held: dict[str, tuple] = {}
     capacity = holding_capacity(held)
 
     async def go():
         with workers_on_loop() as workers:
-            limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
-            node = CallService(FnCall(), {"cpu": 1, "memory": "64M", "pids": 64, "qos": "be", "uid_base": 60000,
-                                          "uid_count": 4, "max_boxes": 0}, {}, 100_000, images,
-                               SimpleNamespace(plan=lambda qos: None), workers, ProcessStarter(workers), limits, -1,
-                               ranges, capacity)
+            node = call_service(workers, FnCall(), images, capacity)
             calling = asyncio.ensure_future(node._call_box("py"))
             await asyncio.get_running_loop().run_in_executor(None, making.wait, 10)
             named["py"] = new                   # rebuilt while its call sandbox is made
@@ -84,9 +74,7 @@ def test_a_call_refused_by_a_full_host_counts_as_busy():
     from dsecd.errors import Busy
 
     image = SimpleNamespace(layer_digests=["sha256:l1"], config={}, source=None)
-    store = SimpleNamespace(get=lambda name: image, changed=[], key=lambda name: name)
-    images = SimpleNamespace(images=store, layers=SimpleNamespace(acquire=lambda digests: [],
-                                                                  release=lambda digests: None))
+    images = images_of(lambda name: image)
 
     def full(box_id, cpu, memory):
         raise Busy("host is full: 2 sandboxes of max 2; retry later or on another host")
@@ -95,11 +83,7 @@ def test_a_call_refused_by_a_full_host_counts_as_busy():
 
     async def go():
         with workers_on_loop() as workers:
-            limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
-            node = CallService(None, {"cpu": 1, "memory": "64M", "pids": 64, "qos": "be", "uid_base": 60000,
-                                      "uid_count": 4, "max_boxes": 0}, {}, 100_000, images,
-                               SimpleNamespace(plan=lambda qos: None), workers, ProcessStarter(workers), limits, -1,
-                               SimpleNamespace(take=lambda: "range", give_back=lambda idmap: None), capacity)
+            node = call_service(workers, None, images, capacity)
             with pytest.raises(Busy, match="host is full"):
                 await node._call_box("py")
             return node.call_stats["busy"]
@@ -114,35 +98,21 @@ def test_idle_call_sandboxes_go_for_a_create_once_and_never_serve_a_call_again()
     one (none is left for it: it drops nothing); a call of the dropped
     one's image arriving meanwhile gets a new call sandbox."""
     image = SimpleNamespace(layer_digests=["sha256:l1"], config={}, source=None)
-    store = SimpleNamespace(get=lambda name: image, changed=[], key=lambda name: name)
-    images = SimpleNamespace(images=store, layers=SimpleNamespace(acquire=lambda digests: [],
-                                                                  release=lambda digests: None))
+    images = images_of(lambda name: image)
     destroying, go_on = threading.Event(), threading.Event()
     destroyed: list[str] = []
 
-    class FnCall:
-        def create_box(self, box_id, lowerdirs, limits, plan, idmap):
-            return SimpleNamespace(box=box_id)
+    def destroy(box_id):
+        destroying.set()
+        go_on.wait(10)
+        destroyed.append(box_id)
 
-        def mqueue_dir(self, handle):
-            return -1
-
-        def destroy_box(self, box_id, handle):
-            destroying.set()
-            go_on.wait(10)
-            destroyed.append(box_id)
-
-    ranges = SimpleNamespace(take=lambda: "range", give_back=lambda idmap: None)
     held: dict[str, tuple] = {}
     capacity = holding_capacity(held)
 
     async def go():
         with workers_on_loop() as workers:
-            limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
-            node = CallService(FnCall(), {"cpu": 1, "memory": "64M", "pids": 64, "qos": "be", "uid_base": 60000,
-                                          "uid_count": 4, "max_boxes": 0}, {}, 100_000, images,
-                               SimpleNamespace(plan=lambda qos: None), workers, ProcessStarter(workers), limits, -1,
-                               ranges, capacity)
+            node = call_service(workers, FakeFnCall(destroy), images, capacity)
             old = await node._call_box("old")
             claimed = await node._call_box("claimed")       # a call in flight
             newer = await node._call_box("newer")
@@ -173,31 +143,15 @@ def test_a_create_whose_dropped_call_sandbox_is_not_destroyed_in_time_drops_no_m
 
     monkeypatch.setattr(calls, "DROP_WAIT_S", 0.05)
     image = SimpleNamespace(layer_digests=["sha256:l1"], config={}, source=None)
-    store = SimpleNamespace(get=lambda name: image, changed=[], key=lambda name: name)
-    images = SimpleNamespace(images=store, layers=SimpleNamespace(acquire=lambda digests: [],
-                                                                  release=lambda digests: None))
+    images = images_of(lambda name: image)
     go_on = threading.Event()
 
-    class FnCall:
-        def create_box(self, box_id, lowerdirs, limits, plan, idmap):
-            return SimpleNamespace(box=box_id)
-
-        def mqueue_dir(self, handle):
-            return -1
-
-        def destroy_box(self, box_id, handle):
-            go_on.wait(10)
 
     held: dict[str, tuple] = {}
 
     async def go():
         with workers_on_loop() as workers:
-            limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
-            node = CallService(FnCall(), {"cpu": 1, "memory": "64M", "pids": 64, "qos": "be", "uid_base": 60000,
-                                          "uid_count": 4, "max_boxes": 0}, {}, 100_000, images,
-                               SimpleNamespace(plan=lambda qos: None), workers, ProcessStarter(workers), limits, -1,
-                               SimpleNamespace(take=lambda: "range", give_back=lambda idmap: None),
-                               holding_capacity(held))
+            node = call_service(workers, FakeFnCall(lambda box_id: go_on.wait(10)), images, holding_capacity(held))
             for name in ("a", "b"):
                 (await node._call_box(name)).claims -= 1
             try:

@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from capacity_kit import holding_capacity, room_as_it_is
+from call_kit import call_service, holding_capacity, images_of, room_as_it_is
 from loop_kit import workers_on_loop
 from proc_kit import running
 
@@ -418,7 +418,6 @@ def test_a_call_sandbox_made_for_a_cancelled_request_is_destroyed_once_made():
     import os
     from types import SimpleNamespace
 
-    from dsecd.cpu.manager import CpuHost
 
     seen = {"destroyed": [], "released": [], "given_back": []}
     mq_fd = os.open(os.devnull, os.O_RDONLY)
@@ -435,20 +434,14 @@ def test_a_call_sandbox_made_for_a_cancelled_request_is_destroyed_once_made():
             seen["destroyed"].append((box_id, handle.box))
 
     image = SimpleNamespace(layer_digests=["sha256:l1"], config={}, source=None)
-    images = SimpleNamespace(images=SimpleNamespace(get=lambda name: image, changed=[]),
-                             layers=SimpleNamespace(acquire=lambda digests: [],
-                                                    release=lambda digests: seen["released"].append(digests)))
+    images = images_of(lambda name: image, seen["released"].append)
     ranges = SimpleNamespace(take=lambda: "range-1", give_back=lambda idmap: seen["given_back"].append(idmap))
     held: dict[str, tuple] = {}
     capacity = holding_capacity(held)
 
     async def go():
         with workers_on_loop() as workers:
-            limits = ExecLimits(max_timeout_s=0, drain_grace_s=0.1, max_output=1 << 20, max_trace=0)
-            node = CallService(FnCall(), {"cpu": 1, "memory": "64M", "pids": 64, "qos": "be", "uid_base": 60000,
-                                          "uid_count": 4}, {}, 100_000, images, CpuHost.__new__(CpuHost), workers,
-                               ProcessStarter(workers), limits, -1, ranges, capacity)
-            node.cpu = SimpleNamespace(plan=lambda qos: None)
+            node = call_service(workers, FnCall(), images, capacity, ranges)
             making = asyncio.ensure_future(node._make_box("py", image))
             await _until(lambda: held)
             assert list(held.values()) == [(1.0, 64 << 20)]     # counted while it is made
