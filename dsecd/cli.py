@@ -39,11 +39,9 @@ import json
 import os
 import posixpath
 import secrets
-import select
 import shlex
 import shutil
 import signal
-import socket
 import stat
 import sys
 import tarfile
@@ -53,7 +51,7 @@ import time
 import tty
 from collections.abc import AsyncIterator
 
-from . import cpmerge, fleet_cli, imageconfig, pullview, sigint, topview
+from . import cpmerge, fleet_cli, imageconfig, pullview, rpcrelay, sigint, topview
 from .cliargs import (  # noqa: F401 (parse_args and the parser's names: the CLI's, as before)
     EXIT_BROKEN_PIPE,
     EXIT_DSEC_ERROR,
@@ -1959,69 +1957,6 @@ def _print_item_error(a, err: DsecError, **which) -> None:
     _print_error(a, wire)
 
 
-def cmd_rpc(a) -> int:
-    """Bridge stdin/stdout to the daemon socket byte for byte (frames pass
-    through): what `ssh host dsec rpc --stdio` and the SDK's ssh:// transport
-    run on the host.
-
-    The end of stdin (the client closed its sending side, or a read error)
-    shuts down only the socket's sending side: the daemon answers every
-    request already sent (a pipelined exec and destroy both run), and the
-    bridge exits when the daemon has answered and closed. A client that is
-    gone altogether is another matter: once stdout has no reader (the ssh
-    session ended), the bridge closes the socket at once, so that the
-    daemon cancels that client's requests and kills its execs instead of
-    running them for nobody until the next answer fails to arrive."""
-    if not a.stdio:
-        raise UsageError("dsec rpc: only --stdio is supported")
-    if a.host:
-        raise UsageError("dsec rpc: relays to this host's daemon; drop --host (run it on the host, "
-                         "as `ssh HOST dsec rpc --stdio`)")
-    path = a.socket or default_socket()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.connect(path)
-    except OSError as err:
-        # Read on the client's side, in the ssh:// connection's error.
-        raise ConnectionError(f"rpc: cannot connect to dsecd at {path}: {err.strerror}; is the daemon running "
-                              "on this host? (a client names another socket here with --socket or "
-                              "DSEC_REMOTE_SOCKET)") from err
-
-    def upstream() -> None:
-        fd = sys.stdin.fileno()
-        try:
-            while data := os.read(fd, 1 << 16):
-                sock.sendall(data)
-        except OSError:
-            pass                 # a broken stdin ends the input like its end does
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_WR)
-
-    threading.Thread(target=upstream, daemon=True).start()
-    out = sys.stdout.fileno()
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    poller.register(out, 0)          # POLLERR/POLLHUP only: nobody reads our stdout any more
-    while True:
-        events = dict(poller.poll())
-        if events.get(out, 0) & (select.POLLERR | select.POLLHUP):
-            sock.close()             # the daemon sees the hang-up and cancels what runs for us
-            return EXIT_BROKEN_PIPE
-        if not events.get(sock.fileno()):
-            continue
-        try:
-            data = sock.recv(1 << 16)
-        except ConnectionResetError:
-            # The daemon closed with bytes of ours unread (killed mid-request):
-            # its end all the same, which the client says as such.
-            data = b""
-        if not data:
-            return 0
-        view = memoryview(data)
-        while view:
-            view = view[os.write(out, view):]
-
-
 # ---------------------------------------------------------------- parser
 
 COMMANDS = {"policy": cmd_policy, "info": cmd_info, "image": cmd_image, "snapshot": cmd_snapshot,
@@ -2194,11 +2129,13 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_command(a: argparse.Namespace) -> None:
     """The command `a` (cliargs.parsed), and how it ended: exits with its status."""
+    if a.cmd == "rpc":
+        rpcrelay.run(a)
     fail = EXIT_DSEC_ERROR if a.cmd in GIVES_A_STATUS else 1
     try:
         with sigint.raised():    # a ^C held since the start raises here: the command does not start
             check_usage(a)
-            status = cmd_rpc(a) if a.cmd == "rpc" else asyncio.run(_run(a))
+            status = asyncio.run(_run(a))
             sys.stdout.flush()   # a closed pipe shows here, not at the interpreter's exit
     except BrokenPipeError as err:
         closed = _closed_outputs()

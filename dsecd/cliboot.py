@@ -6,7 +6,8 @@ exit 130, not as a traceback. That is why this module imports nothing but
 sigint until main runs, and why the package's __init__ imports nothing
 either. main then reads the command line with cliargs, which needs neither
 the client nor asyncio (`dsec --help` and a usage error pay for neither),
-and imports the CLI only to run the command.
+and imports the CLI only to run the command (`dsec rpc`, a relay of
+bytes, needs none of it: rpcrelay.py).
 """
 
 import sys
@@ -21,6 +22,10 @@ def main() -> None:
     from .cliargs import parsed
 
     a = parsed(sys.argv[1:])
+    if a.cmd == "rpc":          # a relay, run per ssh:// connection: none of the CLI's imports
+        from .rpcrelay import run
+
+        run(a)
     from .cli import run_command
 
     run_command(a)

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from . import framing, imageconfig, localcopy, protocol, remote
 from .config import parse_duration
 from .errors import BadRequest, Conflict, ConnectionLost, DsecError, LimitExceeded, NotFound
+from .unixsock import DEFAULT_SOCKET, default_socket  # noqa: F401 (the SDK's names, as before)
 
-DEFAULT_SOCKET = "/run/dsecd/dsecd.sock"
 DEFAULT_CHUNK = 4 << 20
 # File chunks in flight at once in write_file and read_file: two overlap one
 # chunk's trip with the daemon's (or the sandbox copier's) work on the other;
@@ -90,10 +90,6 @@ SETTLED_WHEN_ABANDONED = ("exec", "file_tar_put", "file_remove", "proc_start", "
 HOLD_RETRY_S = 1.0
 
 log = logging.getLogger(__name__)
-
-
-def default_socket() -> str:
-    return os.environ.get("DSEC_SOCKET") or DEFAULT_SOCKET
 
 
 def _who_may_connect(path: str) -> str:

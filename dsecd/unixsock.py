@@ -9,6 +9,14 @@ import socket
 import stat
 import tempfile
 
+DEFAULT_SOCKET = "/run/dsecd/dsecd.sock"
+
+
+def default_socket() -> str:
+    """The daemon socket a client reaches when it names none: DSEC_SOCKET, else the default."""
+    return os.environ.get("DSEC_SOCKET") or DEFAULT_SOCKET
+
+
 # The longest path a socket is reached at: a unix socket's address (sun_path)
 # holds 108 bytes, the last a NUL for clients written in C.
 ADDRESS_MAX = 107

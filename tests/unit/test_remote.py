@@ -135,6 +135,42 @@ def test_the_relay_finding_no_daemon_says_what_to_check(tmp_path, capsys):
     assert "is the daemon running on this host?" in err and "DSEC_REMOTE_SOCKET" in err
 
 
+def test_the_relay_starts_without_the_clis_imports(tmp_path):
+    """`dsec rpc --stdio` runs once per ssh:// connection: it relays bytes,
+    and importing the client and the protocol's types for it (~0.15 s)
+    delayed every remote connect."""
+    import socket
+    import threading
+
+    path = str(tmp_path / "d.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def daemon_that_greets() -> None:
+        conn, _ = server.accept()
+        conn.sendall(b"hello")
+        conn.close()
+
+    t = threading.Thread(target=daemon_that_greets)
+    t.start()
+    # As the console script runs it (dsecd/cliboot.py), then which modules it had loaded.
+    script = textwrap.dedent(f"""
+        import atexit, sys
+        atexit.register(lambda: sys.stderr.write(repr(sorted(
+            m for m in sys.modules if m in ("asyncio", "msgpack", "dsecd.cli", "dsecd.client")))))
+        sys.argv = ["dsec", "--socket", {path!r}, "rpc", "--stdio"]
+        from dsecd.cliboot import main
+        main()
+        """)
+    try:
+        r = subprocess.run([sys.executable, "-c", script], input=b"", capture_output=True, timeout=30)
+    finally:
+        t.join()
+        server.close()
+    assert (r.returncode, r.stdout, r.stderr) == (0, b"hello", b"[]"), r
+
+
 def test_the_relay_ends_as_the_daemon_does_when_it_drops_bytes_unread(tmp_path):
     """A daemon killed with a request of ours not yet read resets the
     socket: the relay died with "dsec: [Errno 104] Connection reset by
