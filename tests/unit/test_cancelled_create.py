@@ -34,10 +34,18 @@ class _Backend:
         self.done.set()
 
 
-async def _cancel_soon(task: asyncio.Future, after: float = 0.05) -> None:
-    """Cancel the request while its spawn is still in the worker (or `after`
-    seconds in), and let it end."""
-    await asyncio.sleep(after)
+async def _cancel_soon(task: asyncio.Future, after: float = 0.05, once=None) -> None:
+    """Cancel the request `after` seconds in, or as soon as `once()` is true
+    (its spawn has started in the worker: on a loaded host a fixed delay can
+    end before the worker even picked the spawn up), and let it end."""
+    if once is None:
+        await asyncio.sleep(after)
+    else:
+        for _ in range(3000):
+            if once() or task.done():
+                break
+            await asyncio.sleep(0.01)
+        assert once(), "the spawn never started"
     task.cancel()
     try:
         await task
@@ -54,7 +62,10 @@ def _ops(workers, backend) -> NetworkService:
 def test_a_cancelled_create_destroys_what_its_worker_made():
     backend = _Backend()
 
+    started = []
+
     def slow_create(sb_id, netns_fd):
+        started.append(sb_id)
         time.sleep(0.2)
         return f"handle-of-{sb_id}"
 
@@ -64,7 +75,8 @@ def test_a_cancelled_create_destroys_what_its_worker_made():
         with workers_on_loop() as workers:
             ops = _ops(workers, backend)
             after = lambda: released.append(list(backend.destroyed))    # noqa: E731
-            await _cancel_soon(asyncio.ensure_future(ops.spawn_joining(slow_create, None, after, "sb1")))
+            await _cancel_soon(asyncio.ensure_future(ops.spawn_joining(slow_create, None, after, "sb1")),
+                               once=lambda: started)
             assert released == []                 # its id range and layers: not while the worker runs
             await asyncio.get_running_loop().run_in_executor(None, backend.done.wait, 5)
             await _until(lambda: released)
@@ -91,6 +103,7 @@ def _slow_spawn(seen: dict, fds) -> int:
     child ends were still open, then makes a session leader that lives on."""
     import os
 
+    seen["spawning"] = True
     time.sleep(0.2)
     seen["fds_open"] = all(_is_open(fd) for fd in fds[1:])
     r, w = os.pipe()
@@ -134,7 +147,8 @@ def test_an_exec_cancelled_during_its_spawn_keeps_its_fds_until_the_spawn_is_ove
             run = Collector(loop, 1 << 20, 0.1, None)
             fds = (0, *run.child_ends)
             sb = SimpleNamespace(handle=None)
-            await _cancel_soon(asyncio.ensure_future(execs._spawn_exec(sb, ["x"], [], "/", ProcessIds(0, 0), fds, run)))
+            await _cancel_soon(asyncio.ensure_future(execs._spawn_exec(sb, ["x"], [], "/", ProcessIds(0, 0), fds, run)),
+                               once=lambda: "spawning" in seen)
             run.close()                           # the request's own clean-up: must not close the ends
             await _until(lambda: "pid" in seen and not running(seen["pid"]))
 
@@ -180,7 +194,8 @@ def test_a_plain_call_cancelled_during_its_spawn_frees_its_uid_only_after_the_ki
     async def go():
         with workers_on_loop() as workers:
             node = _call_node(workers, FnCall())
-            await _cancel_soon(asyncio.ensure_future(node._plain_call(box, ["x"], {}, b"", 5)))
+            await _cancel_soon(asyncio.ensure_future(node._plain_call(box, ["x"], {}, b"", 5)),
+                               once=lambda: "spawning" in seen)
             seen["uid_free_at_cancel"] = 7001 in box.free_uids
             await _until(lambda: 7001 in box.free_uids and seen["removed"])
 
