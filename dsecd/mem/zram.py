@@ -54,7 +54,12 @@ class ZramConfig:
         priority = int(z["priority"])
         if not -1 <= priority <= 32767:
             raise ValueError(f"memory.zram.priority must be -1..32767, got {priority}")
-        return cls(enabled=bool(z["enabled"]), size_bytes=parse_size(z["size"]),
+        size = parse_size(z["size"])
+        # A swap area is a header page and at least 9 more (swap_header): a
+        # smaller one would fail only at start, after hot_add, as a traceback.
+        if size < 10 * native.PAGE_SIZE:
+            raise ValueError(f"memory.zram.size must be at least 10 pages, got {z['size']!r}")
+        return cls(enabled=bool(z["enabled"]), size_bytes=size,
                    algorithm=str(z["algorithm"]), priority=priority,
                    mem_limit_bytes=parse_size(z["mem_limit"]))
 

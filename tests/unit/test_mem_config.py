@@ -17,6 +17,8 @@ from dsecd.engine.memory import MemoryService
     ({"swapfile": {"priority": 40000}}, "memory.swapfile.priority must be -1..32767"),
     ({"swapfile": {"size": "4K"}}, "memory.swapfile.size must be at least 10 pages"),
     ({"zram": {"priority": 40000}}, "memory.zram.priority must be -1..32767"),
+    ({"zram": {"size": "4K"}}, "memory.zram.size must be at least 10 pages"),
+    ({"zram": {"size": "0"}}, "memory.zram.size must be at least 10 pages"),
     ({"damon": {"wmark_metric": "x"}}, "memory.damon.wmark_metric must be none or free_mem_rate"),
     ({"damon": {"wmark_high": 2000}}, "memory.damon.wmark_low <= wmark_mid <= wmark_high <= 1000"),
     ({"damon": {"min_nr_regions": 0}}, "memory.damon.min_nr_regions"),
