@@ -121,6 +121,7 @@ class Swapfile:
     def _create(self, fstype: str) -> None:
         """The file, allocated and with a swap header (O_EXCL: never someone
         else's file); deleted again if any step after its creation fails."""
+        self._check_free_space()
         # 0600 from the first byte: swapped pages are other processes' memory.
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -133,6 +134,19 @@ class Swapfile:
             os.unlink(self.path)
             raise
         os.close(fd)
+
+    def _check_free_space(self) -> None:
+        """Refuse a size the filesystem has not got free. posix_fallocate
+        on ext4 allocates block after block until ENOSPC: a file too big
+        would fill the disk that the state dir and every other writer share
+        before failing (and being deleted)."""
+        parent = os.path.dirname(self.path)
+        st = os.statvfs(parent)
+        free = st.f_bavail * st.f_frsize
+        if self.cfg.size_bytes > free:
+            raise SwapfileError(errno.ENOSPC, f"swap file `{self.path}`: memory.swapfile.size is "
+                                f"{self.cfg.size_bytes >> 20} MiB, but `{parent}` has {free >> 20} MiB free; "
+                                "not enough free disk space (nothing was allocated)")
 
     def _fill(self, fd: int, fstype: str) -> None:
         os.fchmod(fd, 0o600)            # whatever the umask

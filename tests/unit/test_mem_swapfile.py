@@ -93,3 +93,26 @@ def test_config_from_section():
     for bad in ({"path": "rel/swap"}, {"priority": 40000}, {"size": "4K"}):
         with pytest.raises(ValueError):
             sf.SwapfileConfig.from_section({**base, **bad}, "/s")
+
+
+def test_a_size_past_the_free_disk_space_is_refused_before_any_allocation(tmp_path, mountinfo, monkeypatch):
+    """posix_fallocate on ext4 allocates block after block until ENOSPC, so
+    a size larger than the free space would fill the disk the state dir and
+    every other writer share before it failed: refused before it begins."""
+    real_statvfs = os.statvfs
+    free = 64 << 20
+
+    def statvfs(path):
+        st = real_statvfs(path)
+        return os.statvfs_result((st.f_bsize, 4096, st.f_blocks, free // 4096, free // 4096, *tuple(st)[5:]))
+
+    allocated = []
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: allocated.append(n))
+    path = tmp_path / "swapfile"
+    s = sf.Swapfile(sf.SwapfileConfig(enabled=True, path=str(path), size_bytes=1 << 30), mountinfo=mountinfo)
+    with pytest.raises(sf.SwapfileError) as exc:
+        s.setup()
+    assert exc.value.errno == errno.ENOSPC, exc.value
+    assert "1024 MiB" in str(exc.value) and "64 MiB free" in str(exc.value), exc.value
+    assert allocated == [] and not path.exists()
