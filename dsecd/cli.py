@@ -164,8 +164,10 @@ async def cmd_info(c: Client, a) -> int:
     for name, b in info.get("memory", {}).items():
         where = b.get("device") or b.get("path") or "-"
         used = f", {_human_bytes(b['used'])} of {_human_bytes(b['size'])} used" if "size" in b else ""
+        not_enabled = (" (not enabled: left on by a previous daemon for its paused sandboxes, removed at "
+                       "a stop with none paused)" if b["on"] else " (not enabled)")
         print(f"swap {name}: {'on' if b['on'] else 'off'} {where}{used}"
-              + ("" if b["enabled"] else " (not enabled)") + (f"; error: {b['error']}" if "error" in b else ""))
+              + ("" if b["enabled"] else not_enabled) + (f"; error: {b['error']}" if "error" in b else ""))
     images = info.get("images") or {}
     if images:
         print(f"images: {images['mode']}, store {images['store']}")

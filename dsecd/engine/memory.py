@@ -85,12 +85,19 @@ class MemoryService:
             except OSError as err:
                 self.swap_errors["zram"] = str(err)
                 log.error("zram swap not set up (memory.zram.enabled): %s", err)
+        elif (dev := self._recorded_zram()) is not None and self.zram.adopt(dev):
+            log.warning("zram swap on /dev/zram%d: left on by the previous daemon for its paused sandboxes; "
+                        "memory.zram is not enabled: it is removed at a stop with no sandbox paused", dev)
         if self.swapfile.cfg.enabled:
             try:
                 self.swapfile.setup()
             except OSError as err:
                 self.swap_errors["swapfile"] = str(err)
                 log.error("swap file not set up (memory.swapfile.enabled): %s", err)
+        elif self.swapfile.adopt():
+            log.warning("swap file %s: left on by the previous daemon for its paused sandboxes; "
+                        "memory.swapfile is not enabled: it is removed at a stop with no sandbox paused",
+                        self.swapfile.path)
         if self.damon.cfg.enabled:
             avail = self.damon.probe()
             if not avail.available:
@@ -104,17 +111,21 @@ class MemoryService:
         """Adopt the device a previous daemon left on for its paused sandboxes
         (its number in <state_dir>/zram.json), else make one and record it:
         without the record every restart would leave one more device behind."""
-        state = self.state_dir / "zram.json"
-        try:
-            dev = json.loads(state.read_text())["device"]
-        except (OSError, ValueError, KeyError, TypeError):
-            dev = None
-        if isinstance(dev, int) and self.zram.adopt(dev):
+        dev = self._recorded_zram()
+        if dev is not None and self.zram.adopt(dev):
             log.info("zram swap on /dev/zram%d: adopted from the previous daemon", dev)
             return
         dev = self.zram.setup()
-        write_file_atomic(state, json.dumps({"device": dev}).encode(), fsync=False)
+        write_file_atomic(self.state_dir / "zram.json", json.dumps({"device": dev}).encode(), fsync=False)
         log.info("zram swap on /dev/zram%d", dev)
+
+    def _recorded_zram(self) -> int | None:
+        """The number of the zram device a previous daemon made (<state_dir>/zram.json)."""
+        try:
+            dev = json.loads((self.state_dir / "zram.json").read_text())["device"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return dev if isinstance(dev, int) else None
 
     def _scheme(self, sb_id: str) -> damon.SandboxScheme:
         return damon.SandboxScheme(sb_id, f"/{self.cgroup_root}/{sb_id}")
@@ -123,15 +134,18 @@ class MemoryService:
         """Shutdown (blocking): drop background reclaims and prefetches not
         started, stop our kdamond; take our swap down only when no sandbox
         is paused (swapoff would page all their memory back in; the next
-        daemon adopts a swap file left on)."""
+        daemon adopts a swap file left on). A backend no longer enabled
+        whose area a previous daemon left on was adopted at start: it goes
+        too, or nothing would ever take it down."""
         self.mem_pool.shutdown(wait=False, cancel_futures=True)
         if self.damon_running:
             try:
                 self.damon.stop()
             except OSError as err:
                 log.error("stop DAMON: %s", err)
-        swaps = [(name, backend) for name, backend in (("swap file", self.swapfile), ("zram", self.zram))
-                 if backend.cfg.enabled]
+        swaps = [(name, backend) for name, backend, on in (("swap file", self.swapfile, self.swapfile.active),
+                                                           ("zram", self.zram, self.zram.device is not None))
+                 if backend.cfg.enabled or on]
         if any(s.state == "paused" for s in self.registry.by_id.values()):
             if swaps:
                 log.warning("swap left on: paused sandboxes hold pages in it")

@@ -102,8 +102,7 @@ class Swapfile:
             if read_label(self.path) != LABEL:
                 raise SwapfileError(errno.EEXIST, f"swap file `{self.path}`: a file not made by dsecd is "
                                     "there; dsecd does not touch it (remove it or pick another path)")
-            if self.path in active_swaps():
-                self.active = True          # a previous daemon's, left on for its paused sandboxes
+            if self.adopt():                # a previous daemon's, left on for its paused sandboxes
                 log.info("swap file %s: adopted (still on)", self.path)
                 return self.path
             os.unlink(self.path)            # ours, left off: made afresh (the size may differ)
@@ -173,6 +172,18 @@ class Swapfile:
                                     f"(a filesystem without swap support, a copy-on-write file, or "
                                     f"extents it cannot map); {SWAP_FS_HINT}") from err
             raise
+
+    def adopt(self) -> bool:
+        """Take over the file at the path if it is ours and still on (a
+        previous daemon left it on for its paused sandboxes), so that
+        teardown() takes it down; also with the swap file no longer enabled."""
+        if not self.active:
+            try:
+                ours = read_label(self.path) == LABEL
+            except OSError:             # a directory, unreadable: not a file of ours
+                ours = False
+            self.active = ours and self.path in active_swaps()
+        return self.active
 
     # ------------------------------------------------------------ state
 

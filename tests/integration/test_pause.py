@@ -451,6 +451,52 @@ def test_daemon_swapfile_in_info_and_gone_after_shutdown(daemon_factory, tmp_pat
             native.swapoff(path)
 
 
+def test_swap_left_on_for_paused_sandboxes_goes_once_its_backend_is_disabled(daemon_factory, busybox_rootfs,
+                                                                              tmp_path):
+    """A daemon stopped with a sandbox paused leaves its swap file and zram
+    device on for it. The next one, started with both backends disabled,
+    still takes them down at a stop with nothing paused: else they stayed on
+    (the file on disk, the device in RAM) till the host rebooted."""
+    import signal
+
+    from dsecd import native
+    from dsecd.mem import zram
+
+    path = str(tmp_path / "swapfile")
+    d = daemon_factory(_swapfile_config(tmp_path, "64M") + '[memory.zram]\nenabled = true\nsize = "64M"\n')
+    dev = None
+    try:
+        c = d.client()
+        c.import_image(busybox_rootfs, "busybox")
+        dev = c.info()["memory"]["zram"]["device"]
+        assert dev and path in active_swaps() and dev in active_swaps(), c.info()["memory"]
+        sb = c.create(image="busybox")
+        sb.pause()
+        c.close()
+        d.stop(signal.SIGTERM)
+        assert {path, dev} <= active_swaps()        # left on: the paused sandbox holds pages in them
+        d.config.write_text(d.config.read_text().replace("enabled = true", "enabled = false"))
+        d.start()
+        c = d.client()
+        info = c.info()["memory"]
+        assert not info["swapfile"]["enabled"] and info["swapfile"]["on"], info
+        assert not info["zram"]["enabled"] and info["zram"]["on"] and info["zram"]["device"] == dev, info
+        c.get(sb.id).destroy(force=True)
+        c.close()
+        d.stop(signal.SIGTERM)
+        assert path not in active_swaps() and dev not in active_swaps()
+        assert not (tmp_path / "swapfile").exists()
+        assert not Path("/sys/block", Path(dev).name).exists()
+        assert not (d.state / "zram.json").exists()
+    finally:
+        if path in active_swaps():
+            native.swapoff(path)
+        if dev is not None and Path("/sys/block", Path(dev).name).exists():
+            z = zram.ZramSwap(zram.ZramConfig())
+            if z.adopt(int(Path(dev).name.removeprefix("zram"))):
+                z.teardown()
+
+
 def _frozen(sb) -> bool:
     """Whether the sandbox's v2 freezer holds it (the freezer dsecd uses where
     a v2 tree exists, hybrid hosts too), read on the host: no request that

@@ -116,3 +116,14 @@ def test_a_size_past_the_free_disk_space_is_refused_before_any_allocation(tmp_pa
     assert exc.value.errno == errno.ENOSPC, exc.value
     assert "1024 MiB" in str(exc.value) and "64 MiB free" in str(exc.value), exc.value
     assert allocated == [] and not path.exists()
+
+
+def test_adopt_takes_only_a_file_of_ours_that_is_on(tmp_path, mountinfo):
+    """What a daemon with the swap file disabled looks at, at start: never
+    a file without our label, nor a directory at the path."""
+    (tmp_path / "dir").mkdir()
+    assert not sf.Swapfile(sf.SwapfileConfig(path=str(tmp_path / "dir")), mountinfo=mountinfo).adopt()
+    off = tmp_path / "swapfile"
+    off.write_bytes(swap_header(1 << 20, label=sf.LABEL))        # ours, but not on
+    assert not sf.Swapfile(sf.SwapfileConfig(path=str(off)), mountinfo=mountinfo).adopt()
+    assert not sf.Swapfile(sf.SwapfileConfig(path=str(tmp_path / "absent")), mountinfo=mountinfo).adopt()
