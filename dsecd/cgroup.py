@@ -194,9 +194,11 @@ class Group:
         refuses cpu.shares on an idle group, so the weight goes first). On
         failure nothing is left."""
         dirs = list(self._sdirs.values())
-        writes = self.make_writes(lim, weight_factor, cpu_idle)
         for d in dirs:
             _ensure_parent(os.path.dirname(d))
+        # After the parents exist: whether the kernel accounts swap is read
+        # from the parent's files (_swap_writes), once for the daemon's life.
+        writes = self.make_writes(lim, weight_factor, cpu_idle)
         try:
             try:
                 native.cgroup_make(dirs, writes)

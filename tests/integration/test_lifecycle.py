@@ -7,6 +7,7 @@ import subprocess
 import tarfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -147,6 +148,24 @@ def test_memory_oom_stays_in_the_sandbox(fresh):
     r = sb.exec(["sh", "-c", 'x=aaaaaaaaaaaaaaaa; while :; do x="$x$x"; done'], timeout=60)
     assert r.signal == 9 or r.exit_code != 0
     assert sb.exec(["true"]).exit_code == 0        # the sandbox (and its init) survived
+    sb.destroy()
+    c.close()
+
+
+def test_the_first_sandbox_of_a_daemon_gets_its_swap_cap(fresh):
+    """sandbox.swap_per_memory (1.0: memory + swap <= 2 x memory) is written
+    where the kernel accounts swap. Whether it does was looked up, and kept
+    for the daemon's life, before the first create made the sandboxes'
+    parent group: on a fresh cgroup root it found no file, so no sandbox got
+    the cap and one past its limit went on into the host's swap."""
+    c = fresh.client()
+    sb = c.create(image="busybox", memory="32M")
+    mem = Path(sb.inspect()["cgroups"]["memory"])
+    v2 = (mem / "memory.max").exists()
+    name, want = ("memory.swap.max", 32 << 20) if v2 else ("memory.memsw.limit_in_bytes", 64 << 20)
+    if not (mem.parent / name).exists():
+        pytest.skip(f"the kernel does not account swap here (no {name})")
+    assert int((mem / name).read_text()) == want
     sb.destroy()
     c.close()
 
