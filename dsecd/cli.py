@@ -164,6 +164,8 @@ async def cmd_info(c: Client, a) -> int:
     for name, b in info.get("memory", {}).items():
         where = b.get("device") or b.get("path") or "-"
         used = f", {_human_bytes(b['used'])} of {_human_bytes(b['size'])} used" if "size" in b else ""
+        if "mem_used_total" in (b.get("stats") or {}):     # zram: what it takes of RAM, compressed
+            used += f", {_human_bytes(b['stats']['mem_used_total'])} of RAM"
         not_enabled = (" (not enabled: left on by a previous daemon for its paused sandboxes, removed at "
                        "a stop with none paused)" if b["on"] else " (not enabled)")
         print(f"swap {name}: {'on' if b['on'] else 'off'} {where}{used}"

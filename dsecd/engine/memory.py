@@ -164,7 +164,7 @@ class MemoryService:
         out = {}
         z = self.zram
         out["zram"] = {"enabled": z.cfg.enabled, "device": None if z.device is None else f"/dev/zram{z.device}",
-                       "on": z.is_swap_on()}
+                       "on": z.is_swap_on(), **z.usage()}
         try:
             if z.device is not None:
                 out["zram"]["stats"] = z.stats()

@@ -187,6 +187,10 @@ class ZramSwap:
     def is_swap_on(self) -> bool:
         return self.device is not None and self.dev_path() in active_swaps()
 
+    def usage(self) -> dict[str, int]:
+        """{"size": bytes, "used": bytes} of the swap area from /proc/swaps; {} when not on."""
+        return {} if self.device is None else swap_areas().get(self.dev_path(), {})
+
     def stats(self) -> dict[str, int]:
         if self.device is None:
             return {}
