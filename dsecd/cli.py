@@ -166,8 +166,8 @@ async def cmd_info(c: Client, a) -> int:
         used = f", {_human_bytes(b['used'])} of {_human_bytes(b['size'])} used" if "size" in b else ""
         if "mem_used_total" in (b.get("stats") or {}):     # zram: what it takes of RAM, compressed
             used += f", {_human_bytes(b['stats']['mem_used_total'])} of RAM"
-        not_enabled = (" (not enabled: left on by a previous daemon for its paused sandboxes, removed at "
-                       "a stop with none paused)" if b["on"] else " (not enabled)")
+        not_enabled = (" (not enabled: left on by a previous daemon for its sandboxes, removed at "
+                       "a stop with none left)" if b["on"] else " (not enabled)")
         print(f"swap {name}: {'on' if b['on'] else 'off'} {where}{used}"
               + ("" if b["enabled"] else not_enabled) + (f"; error: {b['error']}" if "error" in b else ""))
     images = info.get("images") or {}

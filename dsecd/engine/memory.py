@@ -87,7 +87,7 @@ class MemoryService:
                 log.error("zram swap not set up (memory.zram.enabled): %s", err)
         elif (dev := self._recorded_zram()) is not None and self.zram.adopt(dev):
             log.warning("zram swap on /dev/zram%d: left on by the previous daemon for its paused sandboxes; "
-                        "memory.zram is not enabled: it is removed at a stop with no sandbox paused", dev)
+                        "memory.zram is not enabled: it is removed at a stop with no sandbox left", dev)
         if self.swapfile.cfg.enabled:
             try:
                 self.swapfile.setup()
@@ -96,7 +96,7 @@ class MemoryService:
                 log.error("swap file not set up (memory.swapfile.enabled): %s", err)
         elif self.swapfile.adopt():
             log.warning("swap file %s: left on by the previous daemon for its paused sandboxes; "
-                        "memory.swapfile is not enabled: it is removed at a stop with no sandbox paused",
+                        "memory.swapfile is not enabled: it is removed at a stop with no sandbox left",
                         self.swapfile.path)
         if self.damon.cfg.enabled:
             avail = self.damon.probe()
@@ -133,8 +133,11 @@ class MemoryService:
     def close(self) -> None:
         """Shutdown (blocking): drop background reclaims and prefetches not
         started, stop our kdamond; take our swap down only when no sandbox
-        is paused (swapoff would page all their memory back in; the next
-        daemon adopts a swap file left on). A backend no longer enabled
+        is left (the next daemon adopts what is left on). swapoff pages
+        every swapped page back in, charged to its sandbox's memcg: a paused
+        sandbox's whole memory, and a running one's past its limit (swap
+        holds up to sandbox.swap_per_memory more), which does not fit, so
+        the OOM killer took its processes, init too. A backend no longer enabled
         whose area a previous daemon left on was adopted at start: it goes
         too, or nothing would ever take it down."""
         self.mem_pool.shutdown(wait=False, cancel_futures=True)
@@ -146,9 +149,10 @@ class MemoryService:
         swaps = [(name, backend) for name, backend, on in (("swap file", self.swapfile, self.swapfile.active),
                                                            ("zram", self.zram, self.zram.device is not None))
                  if backend.cfg.enabled or on]
-        if any(s.state == "paused" for s in self.registry.by_id.values()):
+        if self.registry.by_id:
             if swaps:
-                log.warning("swap left on: paused sandboxes hold pages in it")
+                log.warning("swap left on for the next daemon: %d sandbox(es) live on, which may hold pages "
+                            "in it", len(self.registry.by_id))
             return
         for name, backend in swaps:
             try:

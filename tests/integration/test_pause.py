@@ -497,6 +497,50 @@ def test_swap_left_on_for_paused_sandboxes_goes_once_its_backend_is_disabled(dae
                 z.teardown()
 
 
+def test_a_restart_leaves_swap_on_for_running_sandboxes_past_their_limit(daemon_factory, busybox_rootfs,
+                                                                          tmp_path):
+    """A running sandbox may hold more than its memory limit, the rest in
+    swap (sandbox.swap_per_memory). A daemon stop that swapped off then
+    charged those pages back to its memcg, whose limit they do not fit: the
+    OOM killer took its init and the sandbox died of a daemon restart. Swap
+    stays on while any sandbox lives; the next daemon adopts it."""
+    import signal
+
+    from dsecd import native
+
+    path = str(tmp_path / "swapfile")
+    d = daemon_factory(_swapfile_config(tmp_path, "256M"))
+    try:
+        c = d.client()
+        c.import_image(busybox_rootfs, "busybox")
+        sb = c.create(image="busybox", memory="32M")
+        mem = Path(sb.inspect()["cgroups"]["memory"])
+        if not (mem / "memory.memsw.usage_in_bytes").exists():
+            pytest.skip("no v1 swap accounting to see the sandbox's swap by")
+        # 48 MiB of files on its tmpfs /tmp: 16 MiB or more of it can only be in swap.
+        r = sb.exec(["sh", "-c", "dd if=/dev/urandom of=/tmp/f bs=1M count=48 2>/dev/null && md5sum /tmp/f"],
+                    timeout=120)
+        assert r.exit_code == 0, r
+        swapped = int((mem / "memory.memsw.usage_in_bytes").read_text()) - int(
+            (mem / "memory.usage_in_bytes").read_text())
+        assert swapped >= 16 << 20, swapped
+        c.close()
+        d.stop(signal.SIGTERM)
+        assert path in active_swaps()
+        d.start()
+        c = d.client()
+        sb = c.get(sb.id)
+        assert sb.inspect()["state"] == "running", d.cli("events", "--replay", "--no-follow").stdout
+        assert sb.exec(["md5sum", "/tmp/f"]).stdout == r.stdout
+        sb.destroy(force=True)
+        c.close()
+        d.stop(signal.SIGTERM)        # none left: swapoff and delete
+        assert path not in active_swaps() and not (tmp_path / "swapfile").exists()
+    finally:
+        if path in active_swaps():
+            native.swapoff(path)
+
+
 def _frozen(sb) -> bool:
     """Whether the sandbox's v2 freezer holds it (the freezer dsecd uses where
     a v2 tree exists, hybrid hosts too), read on the host: no request that

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+import pytest
+
 from dsecd.config import load_config
 from dsecd.engine.memory import MemoryService
 
@@ -22,9 +24,13 @@ def test_no_swap_is_said_to_be_left_on_when_dsecd_has_none(tmp_path, caplog):
     assert not [r for r in caplog.records if "swap" in r.getMessage()], caplog.records
 
 
-def test_a_swap_file_with_paused_sandboxes_is_left_on_and_said_so(tmp_path, caplog, monkeypatch):
-    svc = _service(tmp_path, {"memory": {"swapfile": {"enabled": True}}}, ["paused", "running"])
+@pytest.mark.parametrize("states", [["paused", "running"], ["running"]])
+def test_a_swap_file_with_sandboxes_left_is_left_on_and_said_so(tmp_path, caplog, monkeypatch, states):
+    """Running sandboxes too: one past its memory limit holds the rest in
+    swap, which a swapoff would charge back to it (an OOM kill)."""
+    svc = _service(tmp_path, {"memory": {"swapfile": {"enabled": True}}}, states)
     monkeypatch.setattr(svc.swapfile, "teardown", lambda: (_ for _ in ()).throw(AssertionError("torn down")))
     with caplog.at_level(logging.WARNING, "dsecd.engine.memory"):
         svc.close()
-    assert ["swap left on: paused sandboxes hold pages in it"] == [r.getMessage() for r in caplog.records]
+    assert [f"swap left on for the next daemon: {len(states)} sandbox(es) live on, which may hold pages in it"] \
+        == [r.getMessage() for r in caplog.records]
