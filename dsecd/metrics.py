@@ -351,9 +351,12 @@ class NodeCollector:
                 on.add_metric([name], 1 if m[name].get("on") else 0)
         yield on
         stats = z.get("stats") or {}
-        if stats:
-            g = _gauge("dsecd_zram_bytes", "dsecd's zram device: orig (data stored), compr (compressed), "
-                       "mem_used (RAM it takes), mem_limit", ["what"])
+        if stats or "size" in z:
+            g = _gauge("dsecd_zram_bytes", "dsecd's zram device: size and used (of the swap area), orig "
+                       "(data stored), compr (compressed), mem_used (RAM it takes), mem_limit", ["what"])
+            for key in ("size", "used"):
+                if key in z:
+                    g.add_metric([key], z[key])
             for key in ("orig_data_size", "compr_data_size", "mem_used_total", "mem_limit"):
                 if key in stats:
                     g.add_metric([key.removesuffix("_data_size").removesuffix("_total")], stats[key])

@@ -32,8 +32,8 @@ SNAPSHOT = metrics.Snapshot(
                "drain": {"drained": True, "reason": "kernel update", "since": 1.0}},
     fncall={"zygote_calls": 7, "plain_calls": 2, "busy": 1, "inflight": 0, "zygotes_started": 1,
             "zygotes_replaced": 0},
-    memory={"zram": {"on": True, "stats": {"orig_data_size": 1000, "compr_data_size": 300,
-                                           "mem_used_total": 400, "mem_limit": 0}},
+    memory={"zram": {"on": True, "size": 4096, "used": 1024,
+                     "stats": {"orig_data_size": 1000, "compr_data_size": 300, "mem_used_total": 400, "mem_limit": 0}},
             "swapfile": {"on": False}},
     images={"pager": {"cache_used": 10, "cache_max": 0, "blobs": {
         "aa": {"fetches": 2, "fetched_bytes": 100, "chunk_hits": 5, "chunk_misses": 2, "kernel_read_bytes": 80,
@@ -65,6 +65,9 @@ def test_the_figures_services_keep_become_series(monkeypatch):
     assert _value(text, "dsecd_calls_total", path="zygote") == 7
     assert _value(text, "dsecd_zram_bytes", what="orig") == 1000
     assert _value(text, "dsecd_zram_bytes", what="mem_used") == 400
+    # How full it is (an alert before paused sandboxes' pages have nowhere to go).
+    assert _value(text, "dsecd_zram_bytes", what="size") == 4096
+    assert _value(text, "dsecd_zram_bytes", what="used") == 1024
     assert _value(text, "dsecd_pager_fetched_bytes_total") == 150
     assert _value(text, "dsecd_pager_chunk_lookups_total", result="hit") == 6
     assert _value(text, "dsecd_net_denied_total", reason="connect") == 4
