@@ -251,7 +251,8 @@ class MemoryService:
         rec = pause.PauseRecord.from_json(sb.pause_record or {})
         await self._resume(sb, mode="none")
         if rec.working_set and self.pause_cfg.prefetch_mode != "none":
-            self._behind_answer(sb, pause.prefetch, rec.working_set, self.pause_cfg.prefetch_mode)
+            self._behind_answer(sb, pause.prefetch, rec.working_set, self.pause_cfg.prefetch_mode,
+                                sb.handle.group)
 
     # ------------------------------------------------------------ pause / resume
 
@@ -606,7 +607,8 @@ class MemoryService:
             rec = pause.PauseRecord.from_json(s.pause_record or {})
             self._mark_resumed(s, 0, journal=False)
             if rec.working_set and self.pause_cfg.prefetch_mode != "none":
-                self._behind_answer(s, pause.prefetch, rec.working_set, self.pause_cfg.prefetch_mode)
+                self._behind_answer(s, pause.prefetch, rec.working_set, self.pause_cfg.prefetch_mode,
+                                    s.handle.group)
         self._journal_job(resumed)
         await asyncio.gather(*(self.vms.saved_state_done(s) for s in resumed if _is_vm(s)))
         return {"job": req.job, "resumed": [s.id for s in resumed], "thaw_s": round(thaw_s, 4),

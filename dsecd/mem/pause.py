@@ -593,8 +593,47 @@ class ResumeResult:
     already_running: bool = False
 
 
-def prefetch(working_set: dict[int, list[tuple[int, int]]], mode: str = "populate") -> tuple[int, int]:
+# Of a sandbox's memory limit, what a prefetch leaves free for the sandbox
+# to run in (1/PREFETCH_HEADROOM of it).
+PREFETCH_HEADROOM = 8
+
+
+def prefetch_room(group: cgroup.Group) -> int | None:
+    """Bytes a prefetch may bring into the group: its memory limit less what
+    is charged now and a headroom; None without a limit, 0 when the group
+    cannot be read (destroyed meanwhile: nothing to bring back)."""
+    try:
+        got = charge(group)
+    except (OSError, ValueError):
+        return 0
+    if got is None:
+        return None
+    limit, charged = got
+    return max(0, limit - charged - limit // PREFETCH_HEADROOM)
+
+
+def _within(ranges: list[tuple[int, int]], budget: int) -> tuple[list[tuple[int, int]], int]:
+    """The leading ranges that fit in `budget` bytes (the last one cut at a
+    page), and the budget left."""
+    out = []
+    for start, length in ranges:
+        if budget < native.PAGE_SIZE:
+            break
+        take = min(length, budget - budget % native.PAGE_SIZE)
+        out.append((start, take))
+        budget -= take
+    return out, budget
+
+
+def prefetch(working_set: dict[int, list[tuple[int, int]]], mode: str = "populate",
+             group: cgroup.Group | None = None) -> tuple[int, int]:
     """Bring each process's recorded ranges back; (bytes, skipped ranges).
+
+    With `group` (the sandbox's), no more than prefetch_room(group): a
+    sandbox may hold more than its memory limit, the rest in swap
+    (sandbox.swap_per_memory), and its working set records all of it;
+    faulting all of it in went past the limit, and the memcg's OOM killer
+    took the process being resumed. What is left out comes back on demand.
 
     "willneed": MADV_WILLNEED through process_madvise: swap-in into the swap
     cache and file readahead, but every page still costs the process a fault.
@@ -607,7 +646,10 @@ def prefetch(working_set: dict[int, list[tuple[int, int]]], mode: str = "populat
     total = skipped = 0
     if mode == "none":
         return total, skipped
+    budget = None if group is None else prefetch_room(group)
     for pid, ranges in working_set.items():
+        if budget is not None:
+            ranges, budget = _within(ranges, budget)
         # process_vm_readv takes a pid, not a pidfd: a pid reused in between would
         # only get its pages faulted in (the bytes read are thrown away in C).
         with _pidfd(pid) as fd:
@@ -640,7 +682,7 @@ def resume(group: cgroup.Group, rec: PauseRecord | None = None, timeout: float =
         # daemon restart), and a pid number may have been reused elsewhere since.
         ws = ({p: r for p, r in rec.working_set.items() if p in members} if rec and rec.working_set
               else {p: resident_ranges(p) for p in members})
-        done, skipped = prefetch(ws, mode)
+        done, skipped = prefetch(ws, mode, group)
     t1 = time.monotonic()
     freezer.thaw(timeout)
     return ResumeResult(t1 - t0, time.monotonic() - t1, done, skipped)

@@ -541,6 +541,59 @@ def test_a_restart_leaves_swap_on_for_running_sandboxes_past_their_limit(daemon_
             native.swapoff(path)
 
 
+HOLD_PAST_THE_LIMIT = """
+import os, sys, time
+b = bytearray(96 << 20)
+for o in range(0, len(b), 1 << 20):          # a MiB at a time: reclaim moves the rest to swap meanwhile
+    b[o:o + (1 << 20)] = os.urandom(1 << 20)
+    time.sleep(0.01)
+print("held", flush=True)
+time.sleep(1000)
+"""
+
+
+def test_a_resume_prefetches_no_more_than_the_memory_limit_holds(daemon_factory, tmp_path):
+    """A sandbox may hold more than its memory limit, the rest in swap
+    (sandbox.swap_per_memory). Its pause records all of it; the resume's
+    populate faulted all of it back in, past the limit, and the memcg's OOM
+    killer took the process the resume was for. The prefetch stops short of
+    the limit; what it leaves comes back on demand."""
+    from test_fncall import import_py
+
+    path = str(tmp_path / "swapfile")
+    d = daemon_factory(_swapfile_config(tmp_path, "512M"))
+    try:
+        c = d.client()
+        import_py(c)
+        sb = c.create(image="py", memory="64M")
+        mem = Path(sb.inspect()["cgroups"]["memory"])
+        if not (mem / "memory.memsw.usage_in_bytes").exists():
+            pytest.skip("no v1 swap accounting to see the sandbox's swap by")
+        p = sb.spawn(["python3", "-c", HOLD_PAST_THE_LIMIT])
+        deadline = time.monotonic() + 120
+        while b"held" not in b"".join(chunk.data for chunk in sb.process(p.pid).output(follow=False)):
+            assert sb.process(p.pid).status().state == "running", sb.process(p.pid).status()
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        swapped = int((mem / "memory.memsw.usage_in_bytes").read_text()) - int(
+            (mem / "memory.usage_in_bytes").read_text())
+        assert swapped >= 16 << 20, swapped
+        sb.pause()
+        r = sb.resume()
+        assert r["prefetched_bytes"] <= 64 << 20, r
+        assert sb.process(p.pid).status().state == "running", sb.process(p.pid).status()
+        oom = dict(line.split() for line in (mem / "memory.oom_control").read_text().splitlines())
+        assert oom.get("oom_kill", "0") == "0", oom
+        sb.destroy(force=True)
+        c.close()
+    finally:
+        d.stop()
+        if path in active_swaps():
+            from dsecd import native
+
+            native.swapoff(path)
+
+
 def _frozen(sb) -> bool:
     """Whether the sandbox's v2 freezer holds it (the freezer dsecd uses where
     a v2 tree exists, hybrid hosts too), read on the host: no request that

@@ -195,7 +195,9 @@ def test_an_on_demand_resume_prefetches_the_working_set_behind_the_request():
     from dsecd.engine.memory import MemoryService
 
     rec = mp.PauseRecord(working_set={42: [(4096, 8192)]})
-    sb = SimpleNamespace(id="sb1", state="paused", pause_record=rec.to_json(), last_active=0.0, pausing=False)
+    group = object()
+    sb = SimpleNamespace(id="sb1", state="paused", pause_record=rec.to_json(), last_active=0.0, pausing=False,
+                         handle=SimpleNamespace(group=group))
     behind = []
 
     async def resume(s, mode):
@@ -205,7 +207,27 @@ def test_an_on_demand_resume_prefetches_the_working_set_behind_the_request():
     node = SimpleNamespace(auto_resume=True, _resume=resume, pause_cfg=SimpleNamespace(prefetch_mode="populate"),
                            _behind_answer=lambda s, fn, *args: behind.append((s.id, fn, args)))
     asyncio.run(MemoryService.ensure_running(node, sb, "exec"))
-    assert behind == [("sb1", mp.prefetch, ({42: [(4096, 8192)]}, "populate"))]
+    # With the group: the prefetch stops short of its memory limit (prefetch_room).
+    assert behind == [("sb1", mp.prefetch, ({42: [(4096, 8192)]}, "populate", group))]
+
+
+def test_a_prefetch_brings_back_no_more_than_the_room_its_group_has(monkeypatch):
+    """A working set larger than the sandbox's memory limit (the rest was in
+    swap before the pause) is cut where the room ends, at a page."""
+    import os
+
+    page = mp.native.PAGE_SIZE
+    populated = []
+    monkeypatch.setattr(mp, "prefetch_room", lambda group: 3 * page + 100)
+    monkeypatch.setattr(mp.native, "process_populate",
+                        lambda pid, ranges: populated.append(ranges) or
+                        mp.native.MadviseResult(sum(n for _, n in ranges), 0, 0))
+    done, skipped = mp.prefetch({os.getpid(): [(0x1000, 2 * page), (0x10000, 4 * page)]}, "populate", object())
+    assert populated == [[(0x1000, 2 * page), (0x10000, page)]]
+    assert (done, skipped) == (3 * page, 0)
+    populated.clear()
+    mp.prefetch({os.getpid(): [(0x1000, 2 * page)]}, "populate")        # no group: no cap
+    assert populated == [[(0x1000, 2 * page)]]
 
 
 def test_an_op_on_a_vm_being_paused_waits_for_the_pause_then_resumes_it():
