@@ -8,6 +8,7 @@ stop it, and remove the subtree and the temp dirs even when a test fails.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import secrets
@@ -305,6 +306,7 @@ class Daemon:
             print(f"cleanup: destroy_all failed: {err}", file=sys.stderr)
         self.stop()
         Daemon.running.discard(self)
+        _swap_off_left_on(self.tmp, self.state)
         if self.shared_vm_templates:
             try:
                 self._keep_vm_templates()
@@ -324,6 +326,33 @@ class Daemon:
             delete_table(None, self.bridge)
         except Exception as err:   # keep cleaning up; report below
             print(f"cleanup: delete the nftables table of bridge {self.bridge}: {err}", file=sys.stderr)
+
+
+def _swap_off_left_on(top: Path, state: Path) -> None:
+    """Take down the swap a daemon under `top` left on: a stop leaves its
+    swap file and zram device on while sandboxes live (for the next daemon),
+    which a failed test's daemon, or one killed, may have done."""
+    from dsecd import native
+    from dsecd.mem.zram import ZramConfig, ZramSwap
+
+    with open("/proc/swaps") as f:
+        areas = [line.split()[0].replace("\\040", " ") for line in f.readlines()[1:]]
+    for area in areas:
+        if area.startswith(str(top) + "/"):
+            try:
+                native.swapoff(area)
+            except OSError as err:
+                print(f"cleanup: swapoff {area}: {err}", file=sys.stderr)
+    try:
+        device = json.loads((state / "zram.json").read_text())["device"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    zram = ZramSwap(ZramConfig())
+    if zram.adopt(device):          # still ours: swap, with dsecd's label
+        try:
+            zram.teardown()
+        except OSError as err:
+            print(f"cleanup: zram{device}: {err}", file=sys.stderr)
 
 
 def _unmount_below(top: Path) -> None:
