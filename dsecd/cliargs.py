@@ -212,23 +212,30 @@ def _exec_options(ex: argparse.ArgumentParser, verb: str) -> None:
 
 
 def _timeout_arg(text: str) -> float:
-    """A command's --timeout: seconds or a duration (90, 1.5, 90s, 5m, 2h),
-    as --ttl takes them; the daemon checks its range (a negative one too)."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    word = text.strip().lower()
+    """A command's --timeout: seconds or a duration (90, 1.5, 90s, 5m,
+    1h30m), as --ttl takes them; the daemon checks its range (a negative
+    one too)."""
+    from .config import duration_seconds
+
     try:
-        return float(word[:-1]) * units[word[-1]] if word and word[-1] in units else float(word)
+        return duration_seconds(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be seconds or a duration like 90s, 5m, 2h; got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be seconds or a duration like 90s, 5m, 1h30m; "
+                                         f"got {text!r}") from None
 
 
 def _positive_seconds(text: str) -> float:
+    """An interval of dsec's own (top, fleet's connect timeout): seconds or
+    a duration (2, 0.5, 2s, 1m), from 0.1 s to an hour."""
+    from .config import duration_seconds
+
     try:
-        value = float(text)
+        value = duration_seconds(text)
     except ValueError:
         value = -1.0
     if not 0.1 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be seconds between 0.1 and 3600, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be seconds or a duration (2, 2s, 1m) between 0.1 and 3600 s, "
+                                         f"got {text!r}")
     return value
 
 
@@ -305,7 +312,7 @@ def _create_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--publish", action="append", type=_sandbox_port, metavar="PORT[/udp]", help="make this port "
                    "of the sandbox (TCP, or PORT/udp) reachable from the host (on a host port the daemon picks; "
                    "`dsec net show`, `dsec port`); needs --net default (repeatable)")
-    p.add_argument("--ttl", help="max lifetime, e.g. 2h")
+    p.add_argument("--ttl", help="max lifetime, e.g. 2h, 1h30m, 90s")
     p.add_argument("--idle-ttl", help="destroy after this long without requests, e.g. 5m (paused time excluded)")
     p.add_argument("--qos", choices=["be", "ls"], help="best-effort or latency-sensitive (default: cpu.default_qos)")
     p.add_argument("--cpu-quota", action=argparse.BooleanOptionalAction,

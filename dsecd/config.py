@@ -339,19 +339,38 @@ def with_setting(text: str, section: str, key: str, value: str | None) -> str:
     return f"{text}\n{head}{line}"
 
 
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|[smhd])")
+_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration_seconds(text: str) -> float:
+    """Seconds from "90", "1.5", "90s", "5m", "2h", "1d", "500ms", or parts
+    of those run together as docker and Go write them ("1h30m", "1m30s");
+    ValueError for anything else."""
+    word = text.strip().lower()
+    try:
+        return float(word)
+    except ValueError:
+        pass
+    parts = _DURATION_PART.findall(word)
+    if not parts or "".join(n + u for n, u in parts) != word:
+        raise ValueError(f"not a duration: {text!r}")
+    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+
+
 def parse_duration(value, what: str) -> float | None:
-    """Seconds from 90, 1.5, "90s", "5m", "2h", "1d"; None stays None."""
+    """Seconds from 90, 1.5, or a string duration_seconds reads ("90s",
+    "1h30m"); None stays None."""
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
     else:
-        text = str(value).strip().lower()
-        units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
         try:
-            seconds = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
-        except (ValueError, KeyError):
-            raise BadRequest(f"{what} must be seconds or a duration like 90s, 5m, 2h; got {value!r}") from None
+            seconds = duration_seconds(str(value))
+        except ValueError:
+            raise BadRequest(f"{what} must be seconds or a duration like 90s, 5m, 1h30m; "
+                             f"got {value!r}") from None
     if not 0 < seconds <= 365 * 86400:
         raise BadRequest(f"{what} must be more than 0 s and at most 365 days, got {value!r}")
     return seconds

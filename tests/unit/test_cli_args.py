@@ -328,6 +328,28 @@ def test_no_daemon_is_a_failure_that_names_the_socket():
     assert _dsec("exec", "SB", "--", "true").returncode == 125
 
 
+@pytest.mark.parametrize("text,seconds", [("90", 90), ("1.5", 1.5), ("90s", 90), ("5M", 300), ("2h", 7200),
+                                          ("1d", 86400), ("1h30m", 5400), ("1m30s", 90), ("2h0m5s", 7205),
+                                          ("1.5h", 5400), ("500ms", 0.5), (" 1h30m ", 5400)])
+def test_durations_take_docker_and_go_forms(text, seconds):
+    assert parse_duration(text, "ttl") == seconds
+    assert cli.parse_args(["exec", "SB", "--timeout", text, "--", "true"]).timeout == seconds
+    assert cli.parse_since(text, 10_000_000.0) == 10_000_000.0 - seconds
+
+
+@pytest.mark.parametrize("text", ["1h30", "h", "1x", "30m1", "1h 30m", "", "m5"])
+def test_a_bad_duration_is_refused(text):
+    with pytest.raises(BadRequest, match="must be seconds or a duration like 90s, 5m, 1h30m"):
+        parse_duration(text, "ttl")
+
+
+def test_top_interval_takes_a_duration():
+    assert cli.parse_args(["top", "--interval", "1s"]).interval == 1.0
+    assert cli.parse_args(["top", "-d", "500ms"]).interval == 0.5
+    assert cli.parse_args(["top", "--interval", "1m"]).interval == 60.0
+    assert _dsec("top", "--interval", "0s").returncode == 2
+
+
 def test_zero_duration_message():
     with pytest.raises(BadRequest, match=r"ttl must be more than 0 s and at most 365 days, got '0'"):
         parse_duration("0", "ttl")
