@@ -192,6 +192,9 @@ class SandboxRegistry:
     # How many destroyed sandboxes it remembers (id -> when and why), so that a
     # request naming one says it was destroyed and why, not only "no sandbox".
     REMEMBER_DESTROYED = 4096
+    # The shortest id prefix that names a sandbox: a shorter one would too
+    # easily name another than the caller meant (a `dsec rm` of "7").
+    MIN_PREFIX = 4
 
     def __init__(self, journal: Journal):
         self.journal = journal
@@ -220,19 +223,25 @@ class SandboxRegistry:
         self._job_locks: dict[str, list] = {}
 
     def named(self, sb_id: str) -> Sandbox:
-        """The sandbox `sb_id`, or the one sandbox whose id starts with it (4
-        characters at least), whatever its state."""
+        """The sandbox `sb_id`, or the one sandbox whose id starts with it
+        (MIN_PREFIX characters at least), whatever its state."""
         sb = self.by_id.get(sb_id)
         if sb is not None:
             return sb
-        matches = [s for k, s in self.by_id.items() if k.startswith(sb_id)] if len(sb_id) >= 4 else []
-        if len(matches) > 1:
-            raise BadRequest(f"sandbox prefix {sb_id!r} is ambiguous", {"matches": [s.id for s in matches]})
-        if not matches:
+        matches = [s for k, s in self.by_id.items() if k.startswith(sb_id)] if sb_id else []
+        if len(matches) > 1 and len(sb_id) >= self.MIN_PREFIX:
+            ids = sorted(s.id for s in matches)
+            shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+            raise BadRequest(f"sandbox prefix {sb_id!r} is ambiguous: it begins {shown}; give more of the id",
+                             {"matches": ids})
+        if len(matches) != 1 or len(sb_id) < self.MIN_PREFIX:
             if sb_id in self.destroyed:
                 at, reason = self.destroyed[sb_id]
                 raise NotFound(f"no sandbox {sb_id!r}: it was destroyed {time.monotonic() - at:.0f} s ago, "
                                f"{DESTROYED_BECAUSE.get(reason, reason)}", {"sandbox": sb_id, "destroyed": reason})
+            if matches:     # too short to stand for an id, though some begin with it
+                raise NotFound(f"no sandbox {sb_id!r}: an id prefix needs {self.MIN_PREFIX} characters at least "
+                               f"(`dsec ps` lists the ids)", {"sandbox": sb_id})
             raise NotFound(f"no sandbox {sb_id!r} (see `dsec ps`)", {"sandbox": sb_id})
         return matches[0]
 

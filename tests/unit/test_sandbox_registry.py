@@ -154,3 +154,24 @@ def test_a_request_for_a_dead_sandbox_says_how_to_be_rid_of_it():
     assert f"sandbox {sb.id} is dead" in err.value.message
     assert f"dsec rm {sb.id}" in err.value.message, err.value.message
     assert err.value.detail == {"sandbox": sb.id, "state": "dead"}
+
+
+def test_an_ambiguous_prefix_names_what_it_begins_and_a_short_one_says_how_long():
+    """What to do next is said: which ids an ambiguous prefix begins, and
+    that a prefix shorter than MIN_PREFIX names no sandbox even where
+    one id begins with it."""
+    from dsecd.errors import BadRequest, NotFound
+
+    reg = SandboxRegistry(Journal())
+    a, b = _sb(0xabcd01000000, 0.1, GiB), _sb(0xabcd02000000, 0.1, GiB)
+    for sb in (a, b):
+        reg.add(sb)
+    assert reg.named(a.id[:-1]) is a and reg.named(a.id) is a
+    with pytest.raises(BadRequest, match=f"ambiguous: it begins {a.id}, {b.id}; give more of the id") as info:
+        reg.named("abcd0")
+    assert info.value.detail == {"matches": [a.id, b.id]}
+    with pytest.raises(NotFound, match="an id prefix needs 4 characters at least") as info:
+        reg.named("abc")
+    assert info.value.detail == {"sandbox": "abc"}
+    with pytest.raises(NotFound, match=r"no sandbox 'fff' \(see `dsec ps`\)$"):
+        reg.named("fff")
