@@ -511,7 +511,7 @@ async def cmd_pause_resume(c: Client, a) -> int:
             print(f"dsec: {a.cmd} {sb_id}: {err}", file=sys.stderr)
             status = 1
             continue
-        _print_json(r) if a.json else print(f"{r['id']} {r['state']}{_pause_summary(r)}")
+        _print_json(r, line=True) if a.json else print(f"{r['id']} {r['state']}{_pause_summary(r)}")
     return status
 
 
@@ -532,7 +532,7 @@ async def cmd_renew(c: Client, a) -> int:
         return status
     r = await c.renew(ids, a.lease)
     if a.json:
-        _print_json(r)
+        _print_json(r, line=True)
     for sb_id in r["renewed"]:
         if not a.json:
             print(f"{sb_id} renewed")
@@ -1913,7 +1913,7 @@ async def _rm_paths(c: Client, a) -> int:
         try:
             r = await (await c.get(sb_id)).remove(path, recursive=a.recursive)
             if a.json:
-                _print_json(r)
+                _print_json(r, line=True)
         except DsecError as err:
             _print_item_error(a, err, sandbox=sb_id, path=path)
             print(f"dsec: rm {spec}: {err.code}: {err.message}", file=sys.stderr)
@@ -1934,7 +1934,7 @@ async def cmd_rm(c: Client, a) -> int:
             raise UsageError("dsec rm: give sandbox ids or --all, not both")
         r = await c.destroy_all(force=a.force, labels=_kv(a.label, "--label"))
         if a.json:
-            _print_json(r)
+            _print_json(r, line=True)
         else:
             print(f"removed {len(r['destroyed'])} sandbox(es)")
             for sb_id, err in r["failed"].items():
@@ -1946,7 +1946,7 @@ async def cmd_rm(c: Client, a) -> int:
     for sb_id in a.sandboxes:
         try:
             r = await c.request("destroy", sandbox=sb_id, force=a.force)
-            _print_json(r) if a.json else print(r["id"])
+            _print_json(r, line=True) if a.json else print(r["id"])
         except DsecError as err:
             _print_item_error(a, err, sandbox=sb_id)
             print(f"dsec: rm {sb_id}: {err}", file=sys.stderr)

@@ -763,8 +763,10 @@ def _silence_stdout(fds: tuple[int, ...] = (1,)) -> None:
 
 
 # Commands whose --json output is a stream of one-line objects: an error ends
-# it as one more line.
-JSON_LINES = ("events", "watch", "logs", "attach", "cat")
+# it as one more line. rm, pause, resume and renew take several sandboxes (or
+# paths) and go on past one that fails: one line for each, its result or its
+# error, so that the whole is read as lines, never as documents run together.
+JSON_LINES = ("events", "watch", "logs", "attach", "cat", "rm", "pause", "resume", "renew")
 
 
 def _print_error(a, error: dict) -> None:

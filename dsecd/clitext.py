@@ -97,13 +97,16 @@ def argv_value(value: str | None, what: str) -> list[str] | None:
     return argv
 
 
-def print_json(obj) -> None:
+def print_json(obj, line: bool = False) -> None:
+    """`obj` as JSON on stdout, indented; with `line`, on one line, for the
+    commands that print one object per sandbox, path or event
+    (cliargs.JSON_LINES), whose output a reader takes line by line."""
     def default(o):
         if isinstance(o, (bytes, bytearray)):
             return o.decode("utf-8", "replace")
         raise TypeError(type(o).__name__)
 
-    print(json.dumps(_str_keys(obj), indent=2, sort_keys=True, default=default))
+    print(json.dumps(_str_keys(obj), indent=None if line else 2, sort_keys=True, default=default), flush=line)
 
 
 def _str_keys(obj):

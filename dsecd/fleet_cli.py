@@ -85,7 +85,7 @@ async def _each_sandbox(fleet: Fleet, a, commands: dict, ids: list[str]) -> int:
         except (DsecError, ConnectionError) as err:
             if a.json:              # as `dsec --json rm` prints one sandbox's failure, naming it
                 wire = _error_wire(err)
-                print_json({"error": {**wire, "detail": {"sandbox": sb_id, **wire["detail"]}}})
+                print_json({"error": {**wire, "detail": {"sandbox": sb_id, **wire["detail"]}}}, line=True)
             print(f"dsec fleet {a.cmd}: {sb_id}: {err}", file=sys.stderr)
             status = 1
             continue
@@ -102,7 +102,7 @@ async def _each_sandbox(fleet: Fleet, a, commands: dict, ids: list[str]) -> int:
             if a.json:              # its command ended early: that host's sandboxes, some maybe done
                 wire = _error_wire(err)
                 print_json({"error": {**wire, "detail": {"host": client.target, "sandboxes": own.sandboxes,
-                                                         **wire["detail"]}}})
+                                                         **wire["detail"]}}}, line=True)
             print(f"dsec fleet {a.cmd}: {short_name(client.target)}: {err}", file=sys.stderr)
             status = 1
     return status

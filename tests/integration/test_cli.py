@@ -1,5 +1,6 @@
 """The `dsec` CLI against a real daemon: the commands of the README."""
 
+import contextlib
 import json
 import os
 import signal
@@ -934,15 +935,10 @@ def test_cp_r_of_dir_dot_copies_its_contents_into_an_existing_directory(daemon, 
 
 
 
-def _json_objects(text: str) -> list[dict]:
-    """The JSON objects printed one after another (pretty-printed: several lines each)."""
-    dec, objs, at = json.JSONDecoder(), [], 0
-    while at < len(text.rstrip()):
-        obj, at = dec.raw_decode(text, at)
-        objs.append(obj)
-        while at < len(text) and text[at].isspace():
-            at += 1
-    return objs
+def _json_lines(out: bytes) -> list[dict]:
+    """What a command that takes several sandboxes prints with --json: one
+    JSON object per line, each sandbox's result or error."""
+    return [json.loads(line) for line in out.decode().splitlines()]
 
 
 def test_pause_and_resume_go_on_past_a_sandbox_they_cannot_take(daemon, client):
@@ -954,12 +950,30 @@ def test_pause_and_resume_go_on_past_a_sandbox_they_cannot_take(daemon, client):
         r = daemon.cli("--json", "resume", "nosuch", a.id, b.id)
         assert r.returncode == 1
         assert a.inspect()["state"] == "running" and b.inspect()["state"] == "running"
-        objs = _json_objects(r.stdout.decode())
+        objs = _json_lines(r.stdout)
         assert objs[0]["error"]["code"] == "not_found" and objs[0]["error"]["detail"]["sandbox"] == "nosuch"
         assert [o["id"] for o in objs[1:]] == [a.id, b.id]
     finally:
         a.destroy()
         b.destroy()
+
+
+def test_json_rm_of_several_sandboxes_prints_a_line_for_each(daemon, client):
+    a, b = client.create(image="busybox"), client.create(image="busybox")
+    try:
+        a.write_file("/tmp/f", b"x")
+        r = daemon.cli("--json", "rm", f"{a.id}:/tmp/f", f"{a.id}:/tmp/nosuch")
+        assert r.returncode == 1
+        done, failed = _json_lines(r.stdout)
+        assert failed["error"]["detail"]["path"].endswith("/tmp/nosuch") and "error" not in done, r.stdout
+        r = daemon.cli("--json", "rm", a.id, "nosuch", b.id)
+        assert r.returncode == 1
+        objs = _json_lines(r.stdout)
+        assert [o.get("id") or o["error"]["detail"]["sandbox"] for o in objs] == [a.id, "nosuch", b.id], objs
+    finally:
+        for sb in (a, b):
+            with contextlib.suppress(Exception):
+                sb.destroy()
 
 
 def test_renew_keeps_a_leased_sandbox_and_says_what_it_could_not_renew(daemon, client):
@@ -978,7 +992,8 @@ def test_renew_keeps_a_leased_sandbox_and_says_what_it_could_not_renew(daemon, c
         r = daemon.cli("--json", "renew", leased.id, plain.id, "nosuch")
         assert r.returncode == 1
         assert b"nosuch" in r.stderr and f"{plain.id} has no lease to renew".encode() in r.stderr, r.stderr
-        answer = _json_objects(r.stdout.decode())[-1]
+        *errors, answer = _json_lines(r.stdout)
+        assert [e["error"]["detail"]["sandbox"] for e in errors] == ["nosuch"], errors
         assert answer == {"renewed": [leased.id], "missing": [], "no_lease": [plain.id]}, answer
     finally:
         leased.destroy()
