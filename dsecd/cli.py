@@ -396,7 +396,8 @@ def _print_image_details(img: dict) -> None:
             ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(img["created"]))
              if img.get("created") else "-"),
             ("user", cfg["user"] or "(root)"), ("cwd", cfg["cwd"]),
-            ("entrypoint", json.dumps(cfg["entrypoint"])), ("cmd", json.dumps(cfg["cmd"])),
+            ("entrypoint", json.dumps(cfg["entrypoint"], ensure_ascii=False)),
+            ("cmd", json.dumps(cfg["cmd"], ensure_ascii=False)),
             ("exposed ports", " ".join(cfg["exposed_ports"]) or "-")]
     rows += [("env", f"{k}={v}") for k, v in sorted(cfg["env"].items())]
     rows += [("label", f"{k}={v}") for k, v in sorted(cfg["labels"].items())]

@@ -149,7 +149,8 @@ BYTE_FIELDS = ("memory",)
 def event_fields(ev: dict, shown: tuple[str, ...]) -> str:
     """An event's other fields as `key=value` words for a human: a missing
     value as "-", sizes in bytes as 512.0M, labels and other maps or lists
-    as compact JSON (what `--json` gives too), not Python's repr of them."""
+    as compact JSON (what `--json` gives too), not Python's repr of them,
+    with their letters as they are (a label "ü", not "\\u00fc")."""
     words = []
     for k, v in ev.items():
         if k in shown:
@@ -159,7 +160,7 @@ def event_fields(ev: dict, shown: tuple[str, ...]) -> str:
         elif isinstance(v, int) and not isinstance(v, bool) and v >= 0 and (k in BYTE_FIELDS or k.endswith("_bytes")):
             v = human_bytes(v)
         elif isinstance(v, (dict, list)):
-            v = json.dumps(v, sort_keys=True, separators=(",", ":"))
+            v = json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         words.append(f"{k}={v}")
     return " ".join(words)
 

@@ -15,6 +15,19 @@ def test_event_fields_print_maps_as_json_and_missing_values_as_a_dash():
     assert event_fields(ev, SHOWN) == 'image=busybox labels={"a":"b c","job":"42"} job=- memory=256.0M'
 
 
+def test_event_fields_print_labels_in_their_own_letters():
+    ev = {"event": "created", "sandbox": "abc", "labels": {"job": "ü名", "note": "a\nb"}}
+    assert event_fields(ev, SHOWN) == 'labels={"job":"ü名","note":"a\\nb"}'
+
+
+def test_image_inspect_prints_its_command_in_its_own_letters(capsys):
+    from dsecd.cli import _print_image_details
+    img = {"name": "app", "manifest": "sha256:" + "0" * 64, "layers": [], "bytes": 0,
+           "config": {"entrypoint": ["python3"], "cmd": ["-c", "print('héllo 名')"]}}
+    _print_image_details(img)
+    assert """cmd:           ["-c", "print('héllo 名')"]""" in capsys.readouterr().out
+
+
 def test_event_fields_print_sizes_in_bytes_as_a_human_reads_them():
     ev = {"event": "paused", "sandbox": "abc", "freed_bytes": 3 << 20, "memory": -1, "kills": 2}
     assert event_fields(ev, SHOWN) == "freed_bytes=3.0M memory=-1 kills=2"
