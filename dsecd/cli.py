@@ -1908,6 +1908,9 @@ async def cmd_cat(c: Client, a) -> int:
 
 
 async def _rm_paths(c: Client, a) -> int:
+    """`dsec rm SANDBOX:/path...`; with -f, as rm -f: a path that does not
+    exist is passed over quietly (a missing sandbox, or a file where a
+    directory should be, is still a failure)."""
     status = 0
     for spec in a.sandboxes:
         sb_id, path = _remote_path(spec, "rm")
@@ -1916,6 +1919,8 @@ async def _rm_paths(c: Client, a) -> int:
             if a.json:
                 _print_json(r, line=True)
         except DsecError as err:
+            if a.force and err.code == "not_found" and err.detail.get("errno") == "ENOENT":
+                continue
             _print_item_error(a, err, sandbox=sb_id, path=path)
             print(f"dsec: rm {spec}: {err.code}: {err.message}", file=sys.stderr)
             status = 1

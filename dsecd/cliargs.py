@@ -576,7 +576,8 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--recursive", "-r", action="store_true", help="with SANDBOX:/path: a directory and its contents")
     rm.add_argument("--all", action="store_true", help="destroy every sandbox (with --label: only those "
                     "labelled so)")
-    rm.add_argument("--force", "-f", action="store_true", help="kill running execs")
+    rm.add_argument("--force", "-f", action="store_true",
+                    help="kill running execs; with SANDBOX:/path: one that does not exist is no failure, as rm -f")
     rm.add_argument("--label", action="append", metavar="K=V", help="with --all: only these")
 
     rpc = sub.add_parser("rpc", help="bridge the protocol over stdin/stdout (for ssh)")

@@ -976,6 +976,23 @@ def test_json_rm_of_several_sandboxes_prints_a_line_for_each(daemon, client):
                 sb.destroy()
 
 
+def test_rm_f_of_a_missing_path_is_no_failure_as_rm_f(daemon, client):
+    sb = client.create(image="busybox")
+    try:
+        sb.exec(["sh", "-c", "mkdir -p /work/d/e && echo x > /work/f"])
+        r = daemon.cli("rm", "-rf", f"{sb.id}:/work/d", f"{sb.id}:/work/nosuch", f"{sb.id}:/no/such/dir")
+        assert (r.returncode, r.stdout, r.stderr) == (0, b"", b""), r
+        assert [e["name"] for e in sb.list_files("/work")] == ["f"]
+        r = daemon.cli("rm", f"{sb.id}:/work/nosuch")          # without -f: said, and a failure
+        assert r.returncode == 1 and b"No such file or directory" in r.stderr, r
+        r = daemon.cli("rm", "-f", f"{sb.id}:/work/f/x")       # not a directory: as rm -f, a failure
+        assert r.returncode == 1 and b"Not a directory" in r.stderr, r
+        r = daemon.cli("rm", "-f", "nosuch:/work/f")           # no such sandbox: a failure
+        assert r.returncode == 1 and b"no sandbox 'nosuch'" in r.stderr, r
+    finally:
+        sb.destroy()
+
+
 def test_renew_keeps_a_leased_sandbox_and_says_what_it_could_not_renew(daemon, client):
     """A sandbox made with `dsec create --lease` could be renewed only from
     the SDK; `dsec renew` does it, by id prefix too."""
