@@ -60,6 +60,12 @@ class _Parser(argparse.ArgumentParser):
                           help="machine-readable output")
 
     def error(self, message: str):
+        # A missing subcommand is said by its choices, not by the name the
+        # parser stores it under ("required: image_cmd").
+        for action in self._actions:
+            if (isinstance(action, argparse._SubParsersAction)
+                    and message == f"the following arguments are required: {action.dest}"):
+                message = f"give a command: {', '.join(action.choices)} (--help says what each does)"
         _usage_error.append(f"{self.prog}: {message}")      # for --json (main)
         super().error(message)
 

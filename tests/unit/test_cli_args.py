@@ -350,6 +350,14 @@ def test_top_interval_takes_a_duration():
     assert _dsec("top", "--interval", "0s").returncode == 2
 
 
+@pytest.mark.parametrize("words,choices", [([], "info, image, create"), (["image"], "build, import, pull, ls"),
+                                           (["net"], "show, sets, set"), (["job"], "pause, resume, rm")])
+def test_a_missing_subcommand_is_said_by_its_choices(words, choices):
+    r = _dsec(*words)
+    assert r.returncode == 2 and f"error: give a command: {choices}" in r.stderr, r.stderr
+    assert "_cmd" not in r.stderr and "required: cmd" not in r.stderr, r.stderr
+
+
 def test_zero_duration_message():
     with pytest.raises(BadRequest, match=r"ttl must be more than 0 s and at most 365 days, got '0'"):
         parse_duration("0", "ttl")
