@@ -706,6 +706,14 @@ class Client:
                         raise _NotFrames(
                             f"{self.target} sent bytes that are not dsecd frames (a header announcing "
                             f"{err.size} bytes); does a shell start-up file on that host print to stdout?") from None
+                    if self._conn is not conn:
+                        # Before the hello's answer: no daemon sends a first
+                        # frame this big, so another program serves the socket
+                        # (an HTTP server's b"HTTP" reads as 1.2 GB).
+                        raise _NotFrames(
+                            f"it answered with bytes that are not dsecd frames (they begin "
+                            f"{framing.HEADER.pack(err.size)!r}): is {self.target} another program's socket? "
+                            "(set DSEC_SOCKET or --socket to dsecd's)") from None
                     raise LimitExceeded(f"server frame of {err.size} bytes exceeds the limit") from None
                 if payload is None:
                     # After close() the stream ends as ssh exits, as when the daemon goes.

@@ -44,6 +44,39 @@ def test_no_socket_is_a_connection_error_at_once(tmp_path):
     assert "is the daemon running?" in asyncio.run(go())
 
 
+def test_a_socket_another_program_serves_is_said_to_be_one(tmp_path):
+    """DSEC_SOCKET pointed at another server's socket (an HTTP one here):
+    its answer is said to be no dsecd's, not a frame over the limit."""
+    path = str(tmp_path / "http.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        listener.setblocking(False)
+
+        async def serve():
+            peer, _ = await loop.sock_accept(listener)
+            with peer:
+                await loop.sock_sendall(peer, b"HTTP/1.1 400 Bad Request\r\n\r\n")
+                await asyncio.sleep(5)
+
+        server = asyncio.create_task(serve())
+        try:
+            with pytest.raises(ConnectionError) as e:
+                await Client(path, connect_timeout=10).connect()
+        finally:
+            server.cancel()
+        return str(e.value)
+
+    try:
+        message = asyncio.run(go())
+    finally:
+        listener.close()
+    assert "not dsecd frames (they begin b'HTTP')" in message and f"is {path} another program's socket?" in message
+
+
 def test_a_closed_sync_client_says_a_new_one_is_needed(tmp_path):
     """A closed SyncClient's loop thread is gone: unlike an async Client,
     connect() cannot bring it back, and every call says so."""
