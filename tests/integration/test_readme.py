@@ -71,6 +71,26 @@ def skip_reason(line: str) -> str | None:
     return None
 
 
+def skipped_lines(lines: list[tuple[int, str]]) -> dict[int, str]:
+    """{line number: why} of the lines not run: those skip_reason names, and
+    those that use a variable a skipped line sets (`dsec port $NET` after
+    `NET=$(dsec create --net default ...)`), which would run on an empty
+    one and fail for that alone."""
+    skipped: dict[int, str] = {}
+    unset: dict[str, int] = {}          # variable -> the skipped line that sets it
+    for n, line in lines:
+        why = skip_reason(line)
+        if why is None:
+            used = [var for var in unset if re.search(rf"\${{?{var}\b", line)]
+            if used:
+                why = f"uses ${used[0]}, set by line {unset[used[0]]}, which is not run"
+        if why is not None:
+            skipped[n] = why
+            for var in re.findall(r"(?:^|[;&|]\s*)([A-Za-z_]\w*)=", line):
+                unset.setdefault(var, n)
+    return skipped
+
+
 def session_script(lines: list[tuple[int, str]], status_file: Path, out_dir: Path) -> str:
     """One bash script that runs each line in the current shell (so SB=... lasts)
     and records its status, and the status of any command in it that failed."""
@@ -113,7 +133,7 @@ def test_every_usage_line_of_the_readme_runs_as_documented(readme_daemon, busybo
     out_dir.mkdir()
     lines = list(enumerate(shell_lines(), 1))
     assert len(lines) >= 20, "the README's usage block was not found"
-    skipped = {n: skip_reason(line) for n, line in lines if skip_reason(line)}
+    skipped = skipped_lines(lines)
     to_run = [(n, line) for n, line in lines if n not in skipped]
     status_file = tmp_path / "status"
     script = tmp_path / "session.sh"
@@ -168,6 +188,18 @@ def test_the_readme_names_nothing_outside_the_repo():
     for target in re.findall(r"\]\(([^)#]+)\)", README):
         if "://" not in target:
             assert (ROOT / target).exists(), f"README links {target}, which is not in the repo"
+
+
+def test_a_line_that_uses_what_a_skipped_line_sets_is_skipped_too(monkeypatch):
+    """Where BPF is missing, the --net default create is not run: the lines
+    naming its sandbox ($NET) are not run either, rather than fail on an
+    empty id."""
+    monkeypatch.setattr(sys.modules[__name__], "bpf_skip_reason", lambda: "no BPF here")
+    lines = list(enumerate(shell_lines(), 1))
+    skipped = skipped_lines(lines)
+    uses_net = [n for n, line in lines if "$NET" in line]
+    assert uses_net and all(n in skipped for n in uses_net), [lines[n - 1] for n in uses_net if n not in skipped]
+    assert not any("$SB" in lines[n - 1][1] for n in skipped), "lines of a sandbox made without BPF still run"
 
 
 @pytest.mark.parametrize("line,want", [("dsec exec $SB -- sh -c 'exit 3'     # streams both, exits 3", 3),
