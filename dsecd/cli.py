@@ -85,6 +85,7 @@ from .clitext import (
     job_done,
     job_verb,
 )
+from .clitext import clock as _clock
 from .clitext import human_bytes as _human_bytes
 from .clitext import kv as _kv
 from .clitext import pct as _pct
@@ -1169,7 +1170,7 @@ def parse_since(text: str, now: float | None = None) -> float:
 
 
 def _when(ts: float | None) -> str:
-    return "-" if ts is None else time.strftime("%H:%M:%S", time.localtime(ts))
+    return "-" if ts is None else _clock(ts)
 
 
 def _proc_state(p) -> str:
@@ -1806,7 +1807,7 @@ async def cmd_ps(c: Client, a) -> int:
         state = s["state"] + (", net lost" if (s.get("net") or {}).get("lost") else "")
         rows.append([s["id"], s["image"], state, f"{lim['cpu']:g}", _human_bytes(lim["memory"]),
                      str(s["execs_running"]), str(s.get("procs_running", 0)),
-                     time.strftime("%H:%M:%S", time.localtime(s["created"])),
+                     _clock(s["created"]),
                      # One shell word per label: a value with spaces, commas or quotes reads back whole.
                      " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(s["labels"].items()))])
     _table(rows, ["ID", "IMAGE", "STATE", "CPU", "MEMORY", "EXECS", "PROCS", "CREATED", "LABELS"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import time
 
 
 class UsageError(Exception):
@@ -129,6 +130,16 @@ def human_bytes(n: int) -> str:
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1024
     return str(n)
+
+
+def clock(ts: float, now: float | None = None) -> str:
+    """When `ts` was, for a listing (ps, proc ls): its time of day if that
+    was today, else its date too, so that yesterday's 15:23 does not read
+    as today's."""
+    at = time.localtime(ts)
+    if time.localtime(time.time() if now is None else now)[:3] == at[:3]:
+        return time.strftime("%H:%M:%S", at)
+    return time.strftime("%Y-%m-%d %H:%M", at)
 
 
 def table(rows: list[list[str]], header: list[str]) -> None:

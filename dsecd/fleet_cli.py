@@ -20,6 +20,7 @@ import time
 from .client import RunStream, run_detached
 from .clitext import (
     UsageError,
+    clock,
     create_args,
     event_fields,
     human_bytes,
@@ -146,7 +147,7 @@ async def fleet_ps(fleet: Fleet, a) -> int:
         lim = s["limits"]
         out.append([_host_col(s["host"]), s["id"], s["image"], s["state"], f"{lim['cpu']:g}",
                     human_bytes(lim["memory"]), str(s["execs_running"]), str(s.get("procs_running", 0)),
-                    time.strftime("%H:%M:%S", time.localtime(s["created"])),
+                    clock(s["created"]),
                     # One shell word per label, as `dsec ps` prints them.
                     " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(s["labels"].items()))])
     table(out, ["HOST", "ID", "IMAGE", "STATE", "CPU", "MEMORY", "EXECS", "PROCS", "CREATED", "LABELS"])

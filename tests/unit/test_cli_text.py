@@ -107,3 +107,29 @@ def test_a_resume_says_how_long_it_took_thaw_or_restore_included():
     assert _pause_summary(vm) == ": resumed in 480 ms, prefetched 0B"
     ctr = {"id": "c", "state": "running", "prefetch_s": 0.002, "thaw_s": 0.0004, "prefetched_bytes": 5 << 19}
     assert _pause_summary(ctr) == ": resumed in 2 ms, prefetched 2.5M"
+
+
+def test_ps_dates_a_sandbox_made_before_today(capsys):
+    """CREATED is a time of day for today's sandboxes; an older one's
+    says its date too, not a time that reads as today's."""
+    import argparse
+    import asyncio
+    import time
+
+    from dsecd.cli import cmd_ps
+
+    now = time.time()
+    before = now - 3 * 86400
+
+    def sb(sb_id, created):
+        return {"id": sb_id, "image": "busybox", "state": "running", "limits": {"cpu": 1.0, "memory": 1 << 29},
+                "execs_running": 0, "procs_running": 0, "created": created, "labels": {}, "net": None}
+
+    class Listing:
+        async def list(self, labels):
+            return [sb("aaaaaaaaaaaa", before), sb("bbbbbbbbbbbb", now)]
+
+    asyncio.run(cmd_ps(Listing(), argparse.Namespace(label=None, json=False)))
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert time.strftime("%Y-%m-%d %H:%M", time.localtime(before)) in rows["aaaaaaaaaaaa"]
+    assert time.strftime("%H:%M:%S", time.localtime(now)) in rows["bbbbbbbbbbbb"]
