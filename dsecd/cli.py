@@ -1342,11 +1342,22 @@ def _split_remote(spec: str) -> tuple[str | None, str]:
     return None, spec
 
 
+def _relative_remote(spec: str) -> bool:
+    """SB:path with a path that is not absolute (SB:tmp/x, SB:), and no
+    local file of that name: a sandbox's path given as docker cp takes
+    one, relative to the container's directory, which dsec does not."""
+    head, sep, tail = spec.partition(":")
+    return bool(sep and head and "/" not in head and not tail.startswith("/") and not os.path.lexists(spec))
+
+
 def _cp_sides(a) -> tuple[str | None, str, str | None, str]:
     """(source sandbox, source path, destination sandbox, destination path): one side is a sandbox's."""
     src_sb, src = _split_remote(a.src)
     dst_sb, dst = _split_remote(a.dst)
     if (src_sb is None) == (dst_sb is None):
+        relative = [s for s in (a.src, a.dst) if src_sb is None and _relative_remote(s)]
+        if relative:
+            raise UsageError(f"dsec cp: a sandbox's path must be absolute: give SANDBOX:/path, got {relative[0]!r}")
         raise UsageError("dsec cp: exactly one side must be SANDBOX:/absolute/path")
     return src_sb, src, dst_sb, dst
 
@@ -2038,6 +2049,12 @@ def check_usage(a: argparse.Namespace) -> None:
     _kv(getattr(a, "label", None), "--label")
     if a.cmd == "cp":
         _cp_sides(a)
+    if a.cmd == "rm":
+        # No sandbox id has a colon: SB:path with a relative path is a path
+        # given wrongly, not an id to look for.
+        for spec in a.sandboxes:
+            if ":" in spec and _split_remote(spec)[0] is None:
+                raise UsageError(f"dsec rm: a sandbox's path must be absolute: give SANDBOX:/path, got {spec!r}")
     if a.cmd == "image" and a.image_cmd == "build":
         _check_image_build(a)
 

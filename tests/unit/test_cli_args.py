@@ -358,6 +358,19 @@ def test_a_missing_subcommand_is_said_by_its_choices(words, choices):
     assert "_cmd" not in r.stderr and "required: cmd" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("args,bad", [(["cp", "/etc/hostname", "SB:tmp/x"], "SB:tmp/x"),
+                                      (["cp", "SB:tmp/x", "/tmp/"], "SB:tmp/x"),
+                                      (["cp", "/etc/hostname", "SB:"], "SB:"),
+                                      (["rm", "SB:/ok", "SB:tmp/x"], "SB:tmp/x"),
+                                      (["rm", "-rf", "SB:"], "SB:")])
+def test_a_relative_sandbox_path_is_said_to_be_one(args, bad):
+    """Not "exactly one side must be SANDBOX:/absolute/path" of a cp that
+    has a sandbox side, nor "no sandbox 'SB:tmp/x'" of an rm."""
+    r = _dsec(*args)
+    assert r.returncode == 2, r.stderr
+    assert f"a sandbox's path must be absolute: give SANDBOX:/path, got {bad!r}" in r.stderr, r.stderr
+
+
 def test_zero_duration_message():
     with pytest.raises(BadRequest, match=r"ttl must be more than 0 s and at most 365 days, got '0'"):
         parse_duration("0", "ttl")
