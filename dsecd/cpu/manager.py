@@ -22,6 +22,28 @@ from . import admission, qos, sampler
 log = logging.getLogger(__name__)
 
 
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.1f}G" if n >= 1 << 30 else f"{n / (1 << 20):.0f}M"
+
+
+def busy_message(why: dict) -> str:
+    """The `busy` of a create that does not fit (admission.refusal's
+    figures), in a person's units: what the sandboxes here ask for (their
+    limits, not what they use), what this one asks, and the bound."""
+    res, ratio = why["resource"], why["ratio"]
+    if res == "memory":
+        said = (f"its sandboxes ask for {_size(why['requested'])} and this one {_size(why['asking'])}, more than "
+                f"the {_size(why['capacity'])} it admits ({ratio:g} x its {_size(why['mem_total'])} of memory)")
+    elif res == "cpu":
+        said = (f"its sandboxes ask for {why['requested']:g} CPUs and this one {why['asking']:g}, more than "
+                f"the {why['capacity']:g} it admits ({ratio:g} x its {why['cpus']} CPUs)")
+    else:       # ls_cpu: the latency-sensitive sandboxes' recent load
+        said = (f"its latency-sensitive sandboxes used {why['ls_recent']:g} cores lately and this one asks "
+                f"{why['asking']:g}, more than the {why['capacity']:g} it admits ({ratio:g} of its "
+                f"{why['cpus']} CPUs)")
+    return f"host at capacity for {res}: {said}; retry later or on another host"
+
+
 class CpuHost:
     def __init__(self, cfg: dict, layout: cgroup.Layout, features, cgroup_root: str):
         self.cfg = cfg
@@ -77,9 +99,7 @@ class CpuHost:
             if ls and self.sampler.latest.host else 0.0
         why = admission.refusal(self.capacity, used, cpu, memory, ls=ls, ls_recent=ls_recent)
         if why:
-            raise Busy(f"host at capacity for {why['resource']}: {why.get('requested', why.get('ls_recent'))} "
-                       f"in use + {why['asking']} asked > {why['capacity']} "
-                       f"(ratio {why['ratio']}); retry later or on another host", why)
+            raise Busy(busy_message(why), why)
 
     # ------------------------------------------------------------ sampling
 

@@ -1,0 +1,38 @@
+"""The `busy` a full host answers a create with says its figures in a
+person's units: what the sandboxes here ask for, what this one asks, and
+the bound, not bare byte counts."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from dsecd.cpu import admission
+from dsecd.cpu.manager import CpuHost
+from dsecd.errors import Busy
+
+GiB = 1 << 30
+
+
+def _host(cpus: int, mem_total: int, cpu_ratio: float = 64.0, mem_ratio: float = 4.0):
+    """What CpuHost.admit reads of itself: its capacity and its sampler's last pass."""
+    return SimpleNamespace(capacity=admission.Capacity(cpus, mem_total, cpu_ratio, mem_ratio, 0.0),
+                           sampler=SimpleNamespace(latest=SimpleNamespace(host={})))
+
+
+def test_a_host_full_of_memory_says_it_in_gigabytes():
+    host = _host(2, 24 * GiB)
+    with pytest.raises(Busy) as info:
+        CpuHost.admit(host, admission.Requested(cpu=4.0, memory=92 * GiB, sandboxes=4), 1.0, 23 * GiB, ls=False)
+    assert str(info.value.message) == (
+        "host at capacity for memory: its sandboxes ask for 92.0G and this one 23.0G, more than the 96.0G "
+        "it admits (4 x its 24.0G of memory); retry later or on another host")
+    assert info.value.detail["requested"] == 92 * GiB      # the figures stay in bytes for a program
+
+
+def test_a_host_full_of_cpu_says_it_in_cpus():
+    host = _host(2, 24 * GiB, cpu_ratio=2.0)
+    with pytest.raises(Busy) as info:
+        CpuHost.admit(host, admission.Requested(cpu=3.5, memory=GiB, sandboxes=4), 1.0, 256 << 20, ls=False)
+    assert str(info.value.message) == (
+        "host at capacity for cpu: its sandboxes ask for 3.5 CPUs and this one 1, more than the 4 it admits "
+        "(2 x its 2 CPUs); retry later or on another host")
