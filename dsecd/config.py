@@ -40,6 +40,16 @@ def parse_size(value: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+def size_text(n: int) -> str:
+    """Bytes as a person reads them in a message: 512B, 1.1M, 23.0G (the
+    units parse_size takes back, as `dsec ps` shows sizes)."""
+    for unit in ("B", "K", "M", "G"):
+        if n < 1024:
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}T"
+
+
 def _load_defaults() -> dict:
     text = resources.files("dsecd").joinpath("default.toml").read_text()
     return tomllib.loads(text)

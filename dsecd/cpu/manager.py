@@ -15,15 +15,11 @@ import time
 import psutil
 
 from .. import cgroup
-from ..config import ConfigError
+from ..config import ConfigError, size_text
 from ..errors import BadRequest, Busy
 from . import admission, qos, sampler
 
 log = logging.getLogger(__name__)
-
-
-def _size(n: int) -> str:
-    return f"{n / (1 << 30):.1f}G" if n >= 1 << 30 else f"{n / (1 << 20):.0f}M"
 
 
 def busy_message(why: dict) -> str:
@@ -32,8 +28,8 @@ def busy_message(why: dict) -> str:
     limits, not what they use), what this one asks, and the bound."""
     res, ratio = why["resource"], why["ratio"]
     if res == "memory":
-        said = (f"its sandboxes ask for {_size(why['requested'])} and this one {_size(why['asking'])}, more than "
-                f"the {_size(why['capacity'])} it admits ({ratio:g} x its {_size(why['mem_total'])} of memory)")
+        said = (f"its sandboxes ask for {size_text(why['requested'])} and this one {size_text(why['asking'])}, more than "
+                f"the {size_text(why['capacity'])} it admits ({ratio:g} x its {size_text(why['mem_total'])} of memory)")
     elif res == "cpu":
         said = (f"its sandboxes ask for {why['requested']:g} CPUs and this one {why['asking']:g}, more than "
                 f"the {why['capacity']:g} it admits ({ratio:g} x its {why['cpus']} CPUs)")

@@ -33,6 +33,7 @@ import signal
 from collections.abc import Callable
 
 from .. import native
+from ..config import size_text
 from ..errors import Conflict, DsecError, LimitExceeded, init_refused_request, io_error
 from ..initlink import InitExec
 from ..mem import pause
@@ -69,8 +70,9 @@ def check_room(group, size: int, where: str) -> None:
         return                  # fits without counting the cache reclaim could drop (memory.stat)
     left = limit - used + pause.droppable_cache(group)
     if size > left - reserve:
-        raise LimitExceeded(f"write {where}: {size} bytes would take the sandbox past its memory limit "
-                            f"({limit} bytes; {max(0, left)} left, less {reserve} kept for its processes). "
+        raise LimitExceeded(f"write {where}: {size_text(size)} would take the sandbox past its memory limit "
+                            f"({size_text(limit)}; {size_text(max(0, left))} left, less {size_text(reserve)} kept "
+                            "for its processes). "
                             "What the daemon writes into a sandbox counts against its --memory: write less, "
                             "free memory in the sandbox, or create it with more --memory",
                             {"path": where, "size": size, "left": max(0, left), "reserve": reserve})

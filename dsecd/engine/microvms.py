@@ -42,6 +42,7 @@ from ..backends.microvm.backend import (
     tmp_cap,
     upper_cap,
 )
+from ..config import size_text
 from ..errors import (
     BadRequest,
     Busy,
@@ -1013,8 +1014,9 @@ class MicroVMService:
         reserve = min(max(GUEST_RESERVE_MIN, memory // 16), GUEST_RESERVE_MAX)
         if size > available - reserve:
             raise LimitExceeded(
-                f"write {where}: {size} bytes would take the sandbox past its memory limit ({memory} bytes of "
-                f"guest RAM; {max(0, available)} available, less {reserve} kept for its kernel and processes). "
+                f"write {where}: {size_text(size)} would take the sandbox past its memory limit "
+                f"({size_text(memory)} of guest RAM; {size_text(max(0, available))} available, less "
+                f"{size_text(reserve)} kept for its kernel and processes). "
                 "A microVM's files are kept in its RAM: write less, free memory or remove files in the sandbox, "
                 "or create it with more --memory",
                 {"path": where, "size": size, "left": max(0, available), "reserve": reserve})

@@ -1,6 +1,7 @@
-"""The `busy` a full host answers a create with says its figures in a
-person's units: what the sandboxes here ask for, what this one asks, and
-the bound, not bare byte counts."""
+"""A refusal for want of room says its figures in a person's units, not
+bare byte counts: the `busy` a full host answers a create with (what the
+sandboxes here ask for, what this one asks, the bound), and the `limit`
+of a write past a sandbox's memory."""
 
 from types import SimpleNamespace
 
@@ -36,3 +37,18 @@ def test_a_host_full_of_cpu_says_it_in_cpus():
     assert str(info.value.message) == (
         "host at capacity for cpu: its sandboxes ask for 3.5 CPUs and this one 1, more than the 4 it admits "
         "(2 x its 2 CPUs); retry later or on another host")
+
+
+def test_a_write_past_the_memory_limit_says_its_sizes_as_a_person_reads_them(monkeypatch):
+    """dsec cp into a full sandbox: the refusal's sizes in M, not bytes."""
+    from dsecd.engine import copier
+    from dsecd.errors import LimitExceeded
+
+    monkeypatch.setattr(copier.pause, "charge", lambda group: (32 << 20, 31 << 20))
+    monkeypatch.setattr(copier.pause, "droppable_cache", lambda group: 0)
+    with pytest.raises(LimitExceeded) as info:
+        copier.check_room(object(), 4 << 20, "sb:/work/big")
+    assert info.value.message.startswith(
+        "write sb:/work/big: 4.0M would take the sandbox past its memory limit (32.0M; 1.0M left, less 2.0M "
+        "kept for its processes)"), info.value.message
+    assert info.value.detail == {"path": "sb:/work/big", "size": 4 << 20, "left": 1 << 20, "reserve": 2 << 20}
