@@ -83,7 +83,7 @@ class CpuHost:
             if why["resource"] == "cpu":
                 asking, most = f"{why['asking']:g} CPUs", f"{why['max']:g}"
             else:
-                asking, most = f"{why['asking'] >> 20} MiB of memory", f"{why['max'] >> 20} MiB"
+                asking, most = f"{size_text(why['asking'])} of memory", size_text(why["max"])
             raise BadRequest(f"asks for {asking}, more than this host can ever give a sandbox ({most}); "
                              "ask for less, or place it on a larger host", why)
 

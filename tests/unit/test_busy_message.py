@@ -9,7 +9,7 @@ import pytest
 
 from dsecd.cpu import admission
 from dsecd.cpu.manager import CpuHost
-from dsecd.errors import Busy
+from dsecd.errors import BadRequest, Busy
 
 GiB = 1 << 30
 
@@ -52,3 +52,14 @@ def test_a_write_past_the_memory_limit_says_its_sizes_as_a_person_reads_them(mon
         "write sb:/work/big: 4.0M would take the sandbox past its memory limit (32.0M; 1.0M left, less 2.0M "
         "kept for its processes)"), info.value.message
     assert info.value.detail == {"path": "sb:/work/big", "size": 4 << 20, "left": 1 << 20, "reserve": 2 << 20}
+
+
+def test_a_sandbox_too_big_for_the_host_says_its_memory_in_gigabytes():
+    from dsecd.cpu import qos
+
+    host = _host(2, 24 * GiB)
+    host.plan = lambda qos_name: SimpleNamespace(qos=qos.BE)
+    with pytest.raises(BadRequest) as info:
+        CpuHost.check_possible(host, 1.0, 100 * GiB, None)
+    assert info.value.message.startswith("asks for 100.0G of memory, more than this host can ever give a "
+                                         "sandbox ("), info.value.message
