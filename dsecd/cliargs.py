@@ -660,11 +660,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _create_image(parser: argparse.ArgumentParser, a) -> None:
-    """`dsec create IMAGE` and `dsec create --image IMAGE` are one: a.image."""
+    """`dsec create IMAGE` and `dsec create --image IMAGE` are one: a.image.
+    Neither, or both, is create's usage error, said with create's usage."""
     given = {i for i in (a.image_pos, a.image) if i is not None}
     if len(given) != 1:
-        parser.error("create needs its image: dsec create IMAGE (or --image IMAGE)" if not given
-                     else f"create: two images given ({a.image_pos!r} and --image {a.image!r}); give one")
+        create = next(action for action in parser._actions
+                      if isinstance(action, argparse._SubParsersAction)).choices["create"]
+        create.error("an image is needed: dsec create IMAGE (or --image IMAGE)" if not given
+                     else f"two images given ({a.image_pos!r} and --image {a.image!r}); give one")
     a.image = given.pop()
 
 

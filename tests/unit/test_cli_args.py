@@ -685,12 +685,15 @@ def test_create_takes_its_image_as_docker_create_does_or_as_an_option(argv):
     assert cli.parse_args(argv).image == "busybox"
 
 
-@pytest.mark.parametrize("argv, words", [(["create"], "create needs its image"),
+@pytest.mark.parametrize("argv, words", [(["create"], "error: an image is needed: dsec create IMAGE"),
                                          (["create", "a", "--image", "b"], "two images given")])
 def test_create_without_an_image_or_with_two_says_so(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
         cli.parse_args(argv)
-    assert e.value.code == 2 and words in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and words in err
+    # create's usage, not the list of every command's
+    assert err.startswith("usage: dsec create [options] IMAGE") and "dsec create: error:" in err, err
 
 
 def test_info_prints_the_cgroup_dirs_one_per_line(capsys):
