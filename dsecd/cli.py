@@ -1385,6 +1385,9 @@ async def _cp_dir(c: Client, a, src_sb: str | None, src: str, dst_sb: str | None
         if a.json:
             _print_json({**r, "sandbox": sb.id, "local": src})
         return 0
+    if dst == "-":          # not a local directory named "-": stdout takes one file's bytes
+        raise UsageError(f"dsec cp: {src_sb}:{src} is a directory, and '-' (stdout) takes a file's bytes, not "
+                         "a tree: copy it to a local directory (dsec cp -r SB:/dir ./dir)")
     sb = await c.get(src_sb)
     if os.path.isdir(dst):
         if not _contents_of(src):

@@ -993,6 +993,22 @@ def test_rm_f_of_a_missing_path_is_no_failure_as_rm_f(daemon, client):
         sb.destroy()
 
 
+def test_cp_r_of_a_directory_to_stdout_is_refused_not_made_a_directory_named_dash(daemon, client, tmp_path):
+    def cp(*args):          # from tmp_path, where a directory named "-" would land
+        return subprocess.run([str(VENV_BIN / "dsec"), "--socket", daemon.socket, "cp", *args], cwd=tmp_path,
+                              capture_output=True, timeout=60)
+
+    sb = client.create(image="busybox")
+    try:
+        r = cp("-r", f"{sb.id}:/etc", "-")
+        assert r.returncode == 2 and b"'-' (stdout) takes a file's bytes" in r.stderr, r
+        assert r.stdout == b"" and not (tmp_path / "-").exists()
+        r = cp("-r", f"{sb.id}:/etc/passwd", "-")           # a file: its bytes, as before
+        assert r.returncode == 0 and r.stdout.startswith(b"root:"), r
+    finally:
+        sb.destroy()
+
+
 def test_renew_keeps_a_leased_sandbox_and_says_what_it_could_not_renew(daemon, client):
     """A sandbox made with `dsec create --lease` could be renewed only from
     the SDK; `dsec renew` does it, by id prefix too."""
