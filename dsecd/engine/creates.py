@@ -54,7 +54,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from .. import cgroup, imageconfig, protocol, userns
 from ..admission import CreateQueue
 from ..backends.microvm.backend import upper_cap, upper_inodes
-from ..config import ConfigError, parse_duration, parse_size
+from ..config import ConfigError, parse_duration, parse_size, size_text
 from ..cpu import qos
 from ..cpu.manager import CpuHost
 from ..errors import (
@@ -825,16 +825,22 @@ class CreateService:
             raise BadRequest(f"backend must be container or microvm, got {backend!r}")
         return backend
 
-    def _vm_disk_for(self, req, memory: int) -> int:
-        """A microVM's writable layer: a tmpfs in the guest, capped at this:
-        `disk`, and at most half the guest's room (upper_cap says why). The
-        record (inspect) holds the cap the guest really has."""
+    def _disk_size(self, req) -> int:
+        """The writable layer's size a create asks for (`disk`), else the default."""
         try:
             size = self.disk_default if req.disk is None else parse_size(req.disk)
         except ConfigError as err:
             raise BadRequest(f"disk: {err}") from err
         if not 1 << 20 <= size <= 1 << 50:
-            raise BadRequest(f"disk must be between 1M and 1P, got {size} bytes")
+            # In the units parse_size takes: it has no P.
+            raise BadRequest(f"disk must be between 1M and 1024T, got {size_text(size)}")
+        return size
+
+    def _vm_disk_for(self, req, memory: int) -> int:
+        """A microVM's writable layer: a tmpfs in the guest, capped at this:
+        `disk`, and at most half the guest's room (upper_cap says why). The
+        record (inspect) holds the cap the guest really has."""
+        size = self._disk_size(req)
         return min(size, upper_cap(memory))
 
     def _disk_for(self, req) -> upperfs.Cap | None:
@@ -844,12 +850,7 @@ class CreateService:
                 raise Unsupported("this host cannot cap the writable layer (see `dsec info`, "
                                   "feature upperfs); create without `disk`")
             return None
-        try:
-            size = self.disk_default if req.disk is None else parse_size(req.disk)
-        except ConfigError as err:
-            raise BadRequest(f"disk: {err}") from err
-        if not 1 << 20 <= size <= 1 << 50:
-            raise BadRequest(f"disk must be between 1M and 1P, got {size} bytes")
+        size = self._disk_size(req)
         return upperfs.Cap(size, self.sb_defaults["disk_inodes"])
 
     def _refusal(self, cpu: float, memory: int, ls: bool, gone: tuple[str, ...] = (),
