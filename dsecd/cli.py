@@ -2040,6 +2040,9 @@ def check_usage(a: argparse.Namespace) -> None:
                          "drop --rm (--ttl or --idle-ttl bound its life)")
     if a.cmd == "logs":
         a.since_ts = None if a.since is None else parse_since(a.since)
+    if a.cmd == "events" and a.sandbox and a.sandbox_id and a.sandbox != a.sandbox_id:
+        raise UsageError(f"dsec events: two sandboxes, {a.sandbox_id} and --sandbox {a.sandbox}: "
+                         "give one (events of every sandbox: give neither)")
     if getattr(a, "tty", False) and not (sys.stdin is not None and os.isatty(0)):
         raise UsageError(f"dsec {a.cmd}: -t needs a terminal, but the input device is not a TTY; "
                          "drop -t (with -i alone the command reads piped input)")

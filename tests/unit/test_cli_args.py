@@ -1098,3 +1098,11 @@ def test_info_says_one_setting_in_the_singular():
     one = cli._reload_text({"ok": True, "at": 0.0, "applied": ["daemon.log_level"], "restart_needed": []})
     two = cli._reload_text({"ok": True, "at": 0.0, "applied": ["a", "b"], "restart_needed": []})
     assert ": 1 setting applied" in one and ": 2 settings applied" in two
+
+
+def test_events_of_two_sandboxes_at_once_is_refused():
+    """`dsec events A --sandbox B` followed B alone, saying nothing of A."""
+    with pytest.raises(cli.UsageError, match="two sandboxes, a1 and --sandbox b2"):
+        cli.check_usage(cli.parse_args(["events", "a1", "--sandbox", "b2"]))
+    for args in (["events", "a1"], ["events", "--sandbox", "b2"], ["events", "a1", "--sandbox", "a1"], ["events"]):
+        cli.check_usage(cli.parse_args(args))
