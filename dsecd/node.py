@@ -195,6 +195,7 @@ class Node:
         self.file_service = FileService(self.registry, self.workers, self.memory.ensure_running,
                                         cfg.size("limits", "max_file_chunk_bytes"), self.backend.copy_by_init,
                                         self.vms, copy_temps, self.events)
+        self.image_service.temporaries = self.file_service.temporaries
         self.watch_service = WatchService(self.registry, self.workers, self.events, self.memory.ensure_running,
                                           self.limits["max_watches"], self.limits["max_watch_dirs"], self.vms)
         self.dir_copies = DirCopyService(self.registry, self.workers, self.memory.ensure_running,

@@ -261,6 +261,13 @@ class FileService:
         self._drop_temp(req, req.src)
         return out
 
+    def temporaries(self, sb_id: str) -> list[str]:
+        """The paths of sandbox sb_id that clients are writing under a
+        temporary name now (hold_temporary, hold_vm_temporary): parts of
+        their files, not the sandbox's, which a snapshot leaves out. A path
+        that is bytes (not UTF-8) as os.fsdecode gives it."""
+        return [os.fsdecode(path) for sb, path in self._temp_records if sb == sb_id]
+
     def hold_temporary(self, sb_id: str, path: str, st: os.stat_result, ctx) -> None:
         """Record `path` of sandbox sb_id (inode `st`), made by a client under
         a temporary name (a write's part, a directory copy's landing), until

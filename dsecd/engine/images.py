@@ -145,6 +145,9 @@ class ImageService:
         # Set by the node: a microVM's writable layer as a host dir for snapshot
         # (MicroVMService.upper_tree).
         self.vm_upper = None
+        # Set by the node: the paths of a sandbox that clients are writing
+        # under a temporary name now (FileService.temporaries).
+        self.temporaries = None
         self.state_dir = cfg.state_dir
         section = cfg.section("images")
         store = Path(section["store"]) if section["store"] else cfg.state_dir / "store"
@@ -712,13 +715,23 @@ class ImageService:
                 raise Conflict(f"sandbox {sb.id} is a paused microVM; resume it first (dsec resume {sb.id})",
                                {"sandbox": sb.id, "state": sb.state})
             async with self.vm_upper(sb, self.images.scratch, self.max_snapshot_bytes) as upper:
-                image = await self._pack(upper, base, req.name, exclude, ctx)
+                image = await self._pack(upper, base, req.name, exclude + self._temporaries(sb), ctx)
             return image.to_dict()
         async with self.frozen_upper(sb) as upper:
             with count_image_op("snapshot") as done:
-                image = await self._pack(upper, base, req.name, exclude, ctx)
+                image = await self._pack(upper, base, req.name, exclude + self._temporaries(sb), ctx)
                 done(image)
         return image.to_dict()
+
+    def _temporaries(self, sb) -> list[str]:
+        """What a snapshot leaves out besides its excludes: the files clients
+        are writing into the sandbox under a temporary name (an atomic
+        write_file's `.dsec-<hex>`, a directory copy's landing). Those
+        writes run on the host side, which a freeze does not stop; a part
+        of one is not the sandbox's file, and would stay in every sandbox
+        made from the image. Taken once the sandbox is frozen and its layer
+        is in view, just before the pack."""
+        return self.temporaries(sb.id) if self.temporaries is not None else []
 
     async def _pack(self, upper, base: Image, name: str, exclude: list[str], ctx) -> Image:
         """images.snapshot of `upper` in a worker. Cancelled, the pack is

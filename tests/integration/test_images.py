@@ -385,6 +385,48 @@ def test_a_snapshot_cancelled_while_it_packs_publishes_nothing(daemon_factory, b
     assert asyncio.run(go()) == []
 
 
+def test_a_snapshot_leaves_out_a_write_file_still_under_way(daemon_factory, busybox_rootfs):
+    """An atomic write_file (or cp) runs on the host side, which a
+    snapshot's freeze does not stop: its temporary `.dsec-<hex>` file, half
+    written, is not the sandbox's and is not packed. The write then ends
+    as it would have (renamed into place in the sandbox); the snapshot has
+    the tree as it was before the write, as for any write not yet done."""
+    d = daemon_factory()
+    with d.client() as c:
+        c.build_image(busybox_rootfs, "base")
+
+    async def go() -> tuple[bytes, bytes]:
+        async with dsecd.Client(d.socket) as c:
+            sb = await c.create(image="base")
+            await sb.exec("echo old > /work/kept")
+            rest = asyncio.Event()
+            first = b"1" * c.server["limits"]["max_file_chunk_bytes"]      # one whole request's chunk
+
+            async def pieces():
+                yield first
+                await rest.wait()
+                yield b"the rest\n"
+
+            async def temporary_made() -> None:
+                while not any(e["name"].startswith(".dsec-") for e in await sb.list_files("/work")):
+                    await asyncio.sleep(0.05)
+
+            writing = asyncio.ensure_future(sb.write_file("/work/upload", pieces()))
+            await asyncio.wait_for(temporary_made(), 60)      # its first chunk is in its temporary file
+            await sb.snapshot("mid-write")
+            rest.set()
+            await writing
+            assert await sb.read_file("/work/upload") == first + b"the rest\n"
+            sb2 = await c.create(image="mid-write")
+            listed = (await sb2.exec("ls -A /work")).stdout
+            kept = await sb2.read_file("/work/kept")
+            await sb.destroy()
+            await sb2.destroy()
+            return listed, kept
+
+    assert asyncio.run(go()) == (b"kept\n", b"old\n")
+
+
 def test_snapshot_name_conflict_and_missing_sandbox(images):
     d, c = images
     sb = c.create(image="base")
