@@ -406,9 +406,9 @@ class _Build:
 
     async def _pack(self, upper, exclude: list[str]) -> dict | None:
         """The step's layer, packed from `upper` in a worker. Cancelled, the
-        pack (mkfs.erofs, which cannot be stopped half-way) is waited for,
-        as a snapshot's is: the view of the sandbox's layer it reads is
-        removed, and the sandbox destroyed, only once it has ended."""
+        pack (mkfs.erofs, which this lets run to its end) is waited for: the
+        view of the sandbox's layer it reads is removed, and the sandbox
+        destroyed, only once it has ended."""
         packing = asyncio.ensure_future(self._store_call(self.store.pack_layer, upper, exclude, self.pins.hold,
                                                          None, self.svc.images.max_snapshot_bytes))
         try:

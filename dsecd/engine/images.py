@@ -735,9 +735,10 @@ class ImageService:
 
     async def _pack(self, upper, base: Image, name: str, exclude: list[str], ctx) -> Image:
         """images.snapshot of `upper` in a worker. Cancelled, the pack is
-        kept from publishing the image and waited for: the view it reads
-        is removed, and the sandbox thawed, only after it has ended, and the
-        request's final frame comes after that."""
+        stopped (its mkfs.erofs killed) or, past that, kept from publishing
+        the image, and waited for: the view it reads is removed, and the
+        sandbox thawed, only after it has ended, and the request's final
+        frame comes after that."""
         cancelled = threading.Event()
         packing = asyncio.ensure_future(self._images_call(self.images.snapshot, upper, base, name, exclude,
                                                           self._progress(ctx), self.max_snapshot_bytes,

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -27,6 +29,8 @@ FIXED_UUID = "00000000-0000-0000-0000-000000000000"
 # aligned ("misaligned, unable to map"), and QEMU maps a file only whole.
 # EROFS ignores bytes past its last block, so a host mount reads it the same.
 PMEM_ALIGN = 2 << 20
+# How often a build looks whether it was cancelled while mkfs.erofs runs.
+CANCEL_POLL_S = 0.2
 
 
 def pad_to_pmem(path: Path) -> None:
@@ -49,8 +53,11 @@ def exclude_rel(path: str) -> str:
     return os.path.normpath("/" + path).lstrip("/")
 
 
-def build(src: Path, out: Path, exclude: Iterable[str] = ()) -> None:
-    """mkfs.erofs `out` from directory `src`; `exclude` are paths relative to src."""
+def build(src: Path, out: Path, exclude: Iterable[str] = (), cancelled: threading.Event | None = None) -> None:
+    """mkfs.erofs `out` from directory `src`; `exclude` are paths relative to src.
+    `cancelled`, once set, kills mkfs.erofs and removes `out`: ErofsError
+    `conflict`. A half-written image is of no use, and the caller (a
+    cancelled snapshot) should not wait for the rest of it to be written."""
     # noinline_data: every regular file's data in whole blocks of its own
     # (EROFS_INODE_FLAT_PLAIN). A guest kernel maps a file of a layer on
     # virtio-pmem straight from the host's page cache (DAX) only in that
@@ -64,11 +71,28 @@ def build(src: Path, out: Path, exclude: Iterable[str] = ()) -> None:
             cmd.append(f"--exclude-path={rel}")
     cmd += [str(out), str(src)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except FileNotFoundError:
         raise ErofsError("unsupported", f"{MKFS} is not installed (apt-get install erofs-utils)") from None
+    deadline = time.monotonic() + 3600
+    with proc:
+        while True:
+            try:
+                stdout, stderr = proc.communicate(timeout=CANCEL_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                if cancelled is not None and cancelled.is_set():
+                    why = ErofsError("conflict", f"mkfs.erofs {src}: cancelled")
+                elif time.monotonic() > deadline:
+                    why = ErofsError("io", f"mkfs.erofs {src}: still running after an hour; killed")
+                else:
+                    continue
+                proc.kill()
+                proc.communicate()
+                out.unlink(missing_ok=True)
+                raise why from None
     if proc.returncode != 0:
-        msg = (proc.stderr or proc.stdout).strip().splitlines()
+        msg = (stderr or stdout).strip().splitlines()
         detail = msg[-1] if msg else f"exit {proc.returncode}"
         if "No space" in detail or "ENOSPC" in detail:
             # The device mkfs.erofs names is `out`, not the `src` it reads:

@@ -408,14 +408,18 @@ class ImageStore:
                                  "from the store meanwhile (image_rm + image_gc); build the parent again")
 
     def build_layer(self, src: Path, exclude: list[str] = (), progress: Progress | None = None,
-                    hold: Callable[[str], None] | None = None) -> dict:
+                    hold: Callable[[str], None] | None = None, cancelled: threading.Event | None = None) -> dict:
         """One EROFS layer from a directory tree, stored by digest (and pinned
-        with `hold` until the caller's build is published)."""
+        with `hold` until the caller's build is published). `cancelled`, once
+        set before the layer is stored, stops mkfs.erofs and stores nothing
+        (`conflict`)."""
         if progress:
             progress({"step": "mkfs.erofs", "source": str(src)})
         tmp = self.layer_temp_path()
         try:
-            erofs.build(src, tmp, exclude)
+            erofs.build(src, tmp, exclude, cancelled)
+            if cancelled is not None and cancelled.is_set():
+                raise erofs.ErofsError("conflict", f"mkfs.erofs {src}: cancelled")
         except erofs.ErofsError as err:
             tmp.unlink(missing_ok=True)
             raise ImageError(err.code, str(err)) from err
@@ -575,13 +579,14 @@ class ImageStore:
         """pack_diff: the sandbox's upper dir as a new top layer over `base`.
         `max_bytes` (0 = none) bounds the files' apparent size, checked first.
         `cancelled`, once set, keeps the image from being published
-        (`conflict`); the layer made is left to `image gc`."""
+        (`conflict`): set while the layer is made, it stops mkfs.erofs and
+        nothing is stored; set after, the layer made is left to `image gc`."""
         name = self.name_free(name)
         if max_bytes:
             check_apparent_size(upper, exclude, max_bytes)
         with self.pinning() as hold:
             self._hold_existing(hold, base.layers)
-            layer = self.build_layer(upper, exclude=exclude, progress=progress, hold=hold)
+            layer = self.build_layer(upper, exclude=exclude, progress=progress, hold=hold, cancelled=cancelled)
             if cancelled is not None and cancelled.is_set():
                 raise ImageError("conflict", f"snapshot to {name!r} cancelled: nothing published")
             return self._commit(name, base.layers + [layer], base.config, base.name, hold)

@@ -385,6 +385,40 @@ def test_a_snapshot_cancelled_while_it_packs_publishes_nothing(daemon_factory, b
     assert asyncio.run(go()) == []
 
 
+def test_a_snapshot_cancelled_while_it_packs_leaves_no_layer_behind(daemon_factory, busybox_rootfs):
+    """A snapshot cancelled (a caller's ^C or timeout) while mkfs.erofs
+    writes its layer stops that write: no layer of it is stored (a store
+    shared by hosts may never see an `image gc`) and no temporary file is
+    left; the sandbox runs on, thawed."""
+    d = daemon_factory()
+    with d.client() as c:
+        c.build_image(busybox_rootfs, "base")
+
+    async def go() -> tuple[int, int, list[str], str]:
+        async with dsecd.Client(d.socket) as c:
+            sb = await c.create(image="base")
+            # Sparse: free to make, but mkfs.erofs writes every byte of it.
+            await sb.exec("truncate -s 2G /work/sparse")
+            blobs = (await c.request("image_du"))["blobs"]
+            began = asyncio.Event()
+
+            def on_progress(p: dict) -> None:
+                if p.get("step") == "mkfs.erofs":
+                    began.set()
+
+            task = asyncio.ensure_future(sb.snapshot("cut", progress=on_progress))
+            await began.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            state = (await sb.inspect())["state"]
+            await sb.destroy()
+            return blobs, (await c.request("image_du"))["blobs"], os.listdir(d.state / "store" / "tmp"), state
+
+    before, after, temps, state = asyncio.run(go())
+    assert (after, temps, state) == (before, [], "running")
+
+
 def test_a_snapshot_leaves_out_a_write_file_still_under_way(daemon_factory, busybox_rootfs):
     """An atomic write_file (or cp) runs on the host side, which a
     snapshot's freeze does not stop: its temporary `.dsec-<hex>` file, half

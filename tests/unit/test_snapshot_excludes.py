@@ -5,6 +5,8 @@ no-change check leave out. No root; needs mkfs.erofs."""
 from __future__ import annotations
 
 import shutil
+import threading
+import time
 
 import pytest
 
@@ -61,3 +63,24 @@ def test_a_full_disk_names_the_file_system_to_free(tmp_path, monkeypatch):
         erofs.build(_tree(tmp_path), out)
     assert err.value.code == "io"
     assert f"free space on the file system of {out.parent}" in str(err.value)
+
+
+def test_a_cancel_stops_mkfs_and_removes_its_half_written_layer(tmp_path, monkeypatch):
+    """A cancelled snapshot does not wait for mkfs.erofs to write the rest
+    of a layer nobody will store: it is killed, its file removed."""
+    fake = tmp_path / "mkfs.erofs"
+    fake.write_text('#!/bin/sh\necho part > "$5"\nexec sleep 60\n')      # $5: the output file
+    fake.chmod(0o755)
+    monkeypatch.setattr(erofs, "MKFS", str(fake))
+    out = tmp_path / "x.erofs"
+    cancelled = threading.Event()
+
+    def cancel_once_written() -> None:
+        while not out.exists():
+            time.sleep(0.01)
+        cancelled.set()
+
+    threading.Thread(target=cancel_once_written, daemon=True).start()
+    with pytest.raises(erofs.ErofsError) as err:
+        erofs.build(_tree(tmp_path), out, cancelled=cancelled)
+    assert err.value.code == "conflict" and not out.exists()
