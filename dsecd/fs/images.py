@@ -584,6 +584,7 @@ class ImageStore:
         name = self.name_free(name)
         if max_bytes:
             check_apparent_size(upper, exclude, max_bytes)
+        forget_overlay_uuid(upper)
         with self.pinning() as hold:
             self._hold_existing(hold, base.layers)
             layer = self.build_layer(upper, exclude=exclude, progress=progress, hold=hold, cancelled=cancelled)
@@ -598,14 +599,10 @@ class ImageStore:
         """A sandbox's upper dir as a layer (pinned with `hold`), or None when
         the sandbox changed nothing (only `exclude`d paths, or no entry at all).
 
-        The overlay's own id, the xattr OVERLAY_UUID it put on the upper root
-        when it was mounted, is removed first: it is random per mount, so it
-        would make every layer unique and the same changes never dedupe. The
-        sandbox's overlay read it at its mount and never again."""
+        The overlay's own id is removed first (forget_overlay_uuid)."""
         if not has_changes(upper, exclude):
             return None
-        with contextlib.suppress(OSError):
-            os.removexattr(upper, OVERLAY_UUID)
+        forget_overlay_uuid(upper)
         if max_bytes:
             check_apparent_size(upper, exclude, max_bytes)
         return self.build_layer(upper, exclude=exclude, progress=progress, hold=hold)
@@ -741,6 +738,17 @@ class ImageStore:
         return {"blobs": len(sizes), "bytes": total, "shared_layer_bytes": shared,
                 "unreferenced_bytes": unreferenced, "build_cache_entries": self.build_cache.count(),
                 "images": [{"name": i.name, "bytes": i.size, "layers": len(i.layers)} for i in images]}
+
+
+def forget_overlay_uuid(upper: Path) -> None:
+    """Remove the overlay's own id, the xattr OVERLAY_UUID it put on the
+    upper root when it was mounted, before the upper dir is packed: it is
+    random per mount, so it would make every layer unique, and the same
+    changes (two sandboxes of one image, a build step's) would never
+    dedupe. The sandbox's overlay read it at its mount and never again; an
+    overlay reads it from its upper dir only, never from a lower layer."""
+    with contextlib.suppress(OSError):
+        os.removexattr(upper, OVERLAY_UUID)
 
 
 def check_apparent_size(top: Path, exclude: list[str], max_bytes: int) -> int:

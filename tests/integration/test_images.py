@@ -385,6 +385,20 @@ def test_a_snapshot_cancelled_while_it_packs_publishes_nothing(daemon_factory, b
     assert asyncio.run(go()) == []
 
 
+def test_the_same_changes_in_two_sandboxes_snapshot_to_one_layer(images):
+    """Layers are content-addressed: two sandboxes of one image that made
+    the same changes give the same layer, stored once (each overlay's own
+    random id on its upper dir is not packed)."""
+    d, c = images
+    sbs = [c.create(image="base") for _ in range(2)]
+    layers = []
+    for i, sb in enumerate(sbs):
+        assert sb.exec("mkdir -p /work/dep && echo 1.0 > /work/dep/VERSION && rm /bin/vi").exit_code == 0
+        layers.append(sb.snapshot(f"same-{i}")["layers"][-1]["digest"])
+        sb.destroy()
+    assert layers[0] == layers[1]
+
+
 def test_a_snapshot_cancelled_while_it_packs_leaves_no_layer_behind(daemon_factory, busybox_rootfs):
     """A snapshot cancelled (a caller's ^C or timeout) while mkfs.erofs
     writes its layer stops that write: no layer of it is stored (a store
