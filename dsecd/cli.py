@@ -323,6 +323,9 @@ class _ProgressBar:
             return
         if p.get("step") == "unpack":
             text = f"unpacking layer {p['layer']}/{p['of']} ({p['entries']} entries)"
+        elif p.get("step") == "mkfs.erofs" and "bytes" in p:
+            of = f" of ~{_human_bytes(p['total'])}" if p.get("total") else ""
+            text = f"packing the layer: {_human_bytes(p['bytes'])}{of} written"
         elif p.get("step") == "layer":
             text = f"layer {p['digest'][7:19]} {_human_bytes(p['bytes'])}{'' if p['new'] else ' (exists)'}"
         else:

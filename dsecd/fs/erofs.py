@@ -14,11 +14,12 @@ a lower layer later (pack_diff).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 MKFS = "mkfs.erofs"
@@ -53,11 +54,14 @@ def exclude_rel(path: str) -> str:
     return os.path.normpath("/" + path).lstrip("/")
 
 
-def build(src: Path, out: Path, exclude: Iterable[str] = (), cancelled: threading.Event | None = None) -> None:
+def build(src: Path, out: Path, exclude: Iterable[str] = (), cancelled: threading.Event | None = None,
+          written: Callable[[int], None] | None = None) -> None:
     """mkfs.erofs `out` from directory `src`; `exclude` are paths relative to src.
     `cancelled`, once set, kills mkfs.erofs and removes `out`: ErofsError
     `conflict`. A half-written image is of no use, and the caller (a
-    cancelled snapshot) should not wait for the rest of it to be written."""
+    cancelled snapshot) should not wait for the rest of it to be written.
+    `written` is told, every CANCEL_POLL_S while mkfs.erofs runs, how many
+    bytes of `out` it has written so far (a long pack's progress)."""
     # noinline_data: every regular file's data in whole blocks of its own
     # (EROFS_INODE_FLAT_PLAIN). A guest kernel maps a file of a layer on
     # virtio-pmem straight from the host's page cache (DAX) only in that
@@ -86,6 +90,9 @@ def build(src: Path, out: Path, exclude: Iterable[str] = (), cancelled: threadin
                 elif time.monotonic() > deadline:
                     why = ErofsError("io", f"mkfs.erofs {src}: still running after an hour; killed")
                 else:
+                    if written is not None:
+                        with contextlib.suppress(FileNotFoundError):
+                            written(out.stat().st_size)
                     continue
                 proc.kill()
                 proc.communicate()

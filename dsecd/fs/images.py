@@ -408,16 +408,24 @@ class ImageStore:
                                  "from the store meanwhile (image_rm + image_gc); build the parent again")
 
     def build_layer(self, src: Path, exclude: list[str] = (), progress: Progress | None = None,
-                    hold: Callable[[str], None] | None = None, cancelled: threading.Event | None = None) -> dict:
+                    hold: Callable[[str], None] | None = None, cancelled: threading.Event | None = None,
+                    total: int | None = None) -> dict:
         """One EROFS layer from a directory tree, stored by digest (and pinned
         with `hold` until the caller's build is published). `cancelled`, once
         set before the layer is stored, stops mkfs.erofs and stores nothing
-        (`conflict`)."""
+        (`conflict`). Progress: the mkfs.erofs step, then, while it runs, the
+        `bytes` of the layer written so far, with `total` when the caller
+        knows about how many the files hold (a snapshot: their apparent size)."""
+        written = None
         if progress:
             progress({"step": "mkfs.erofs", "source": str(src)})
+
+            def written(n: int) -> None:
+                progress({"step": "mkfs.erofs", "source": str(src), "bytes": n,
+                          **({"total": total} if total is not None else {})})
         tmp = self.layer_temp_path()
         try:
-            erofs.build(src, tmp, exclude, cancelled)
+            erofs.build(src, tmp, exclude, cancelled, written)
             if cancelled is not None and cancelled.is_set():
                 raise erofs.ErofsError("conflict", f"mkfs.erofs {src}: cancelled")
         except erofs.ErofsError as err:
@@ -582,12 +590,12 @@ class ImageStore:
         (`conflict`): set while the layer is made, it stops mkfs.erofs and
         nothing is stored; set after, the layer made is left to `image gc`."""
         name = self.name_free(name)
-        if max_bytes:
-            check_apparent_size(upper, exclude, max_bytes)
+        total = check_apparent_size(upper, exclude, max_bytes)
         forget_overlay_uuid(upper)
         with self.pinning() as hold:
             self._hold_existing(hold, base.layers)
-            layer = self.build_layer(upper, exclude=exclude, progress=progress, hold=hold, cancelled=cancelled)
+            layer = self.build_layer(upper, exclude=exclude, progress=progress, hold=hold, cancelled=cancelled,
+                                     total=total)
             if cancelled is not None and cancelled.is_set():
                 raise ImageError("conflict", f"snapshot to {name!r} cancelled: nothing published")
             return self._commit(name, base.layers + [layer], base.config, base.name, hold)
@@ -753,7 +761,7 @@ def forget_overlay_uuid(upper: Path) -> None:
 
 def check_apparent_size(top: Path, exclude: list[str], max_bytes: int) -> int:
     """Sum of st_size of the regular files under `top` (paths in `exclude`
-    left out); `limit` past max_bytes. A sandbox makes a sparse file of any
+    left out); `limit` past max_bytes (0: no bound). A sandbox makes a sparse file of any
     size for free (`truncate -s 1T`), but mkfs.erofs reads and stores every
     byte of it: measured, a 2 GiB sparse file became a 2 GiB blob in 20 s.
     Without this bound one snapshot could fill the blob store (shared by
@@ -772,7 +780,7 @@ def check_apparent_size(top: Path, exclude: list[str], max_bytes: int) -> int:
                 continue
             if stat.S_ISREG(st.st_mode):
                 total += st.st_size
-                if total > max_bytes:
+                if max_bytes and total > max_bytes:
                     raise ImageError("limit", f"snapshot: the sandbox's changed files add up to more than "
                                      f"images.max_snapshot_bytes ({max_bytes} bytes; {path[len(str(top)):]} "
                                      f"alone is {st.st_size}); remove large or sparse files, or exclude them")

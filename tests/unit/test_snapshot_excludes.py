@@ -84,3 +84,24 @@ def test_a_cancel_stops_mkfs_and_removes_its_half_written_layer(tmp_path, monkey
     with pytest.raises(erofs.ErofsError) as err:
         erofs.build(_tree(tmp_path), out, cancelled=cancelled)
     assert err.value.code == "conflict" and not out.exists()
+
+
+def test_a_long_mkfs_tells_how_much_of_the_layer_it_has_written(tmp_path, monkeypatch):
+    """While mkfs.erofs runs, `written` hears the size of the layer so far:
+    a snapshot of gigabytes shows how far its pack has come. (The fake
+    mkfs.erofs ends once it has been heard, or fails after 30 s.)"""
+    flag = tmp_path / "heard"
+    fake = tmp_path / "mkfs.erofs"
+    fake.write_text(f'#!/bin/sh\nhead -c 5000 /dev/zero > "$5"\nn=0\nwhile [ ! -e {flag} ]; do\n'
+                    f'  n=$((n+1)); [ $n -gt 600 ] && exit 1; sleep 0.05\ndone\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(erofs, "MKFS", str(fake))
+    heard = []
+
+    def written(n: int) -> None:
+        heard.append(n)
+        if n == 5000:
+            flag.touch()
+
+    erofs.build(_tree(tmp_path), tmp_path / "x.erofs", written=written)
+    assert heard and heard[-1] == 5000
