@@ -765,9 +765,11 @@ def check_apparent_size(top: Path, exclude: list[str], max_bytes: int) -> int:
     size for free (`truncate -s 1T`), but mkfs.erofs reads and stores every
     byte of it: measured, a 2 GiB sparse file became a 2 GiB blob in 20 s.
     Without this bound one snapshot could fill the blob store (shared by
-    every host) and keep a worker thread busy for hours."""
+    every host) and keep a worker thread busy for hours. A file's hard links
+    count once: the layer holds its inode once."""
     skip = {os.path.join(top, rel) for rel in map(erofs.exclude_rel, exclude) if rel}
     total = 0
+    linked: set[tuple[int, int]] = set()       # the files with more than one name met so far
     for dirpath, dirnames, filenames in os.walk(top):
         dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in skip]
         for name in filenames:
@@ -779,6 +781,10 @@ def check_apparent_size(top: Path, exclude: list[str], max_bytes: int) -> int:
             except FileNotFoundError:
                 continue
             if stat.S_ISREG(st.st_mode):
+                if st.st_nlink > 1:
+                    if (st.st_dev, st.st_ino) in linked:
+                        continue
+                    linked.add((st.st_dev, st.st_ino))
                 total += st.st_size
                 if max_bytes and total > max_bytes:
                     raise ImageError("limit", f"snapshot: the sandbox's changed files add up to more than "

@@ -4,6 +4,7 @@ no-change check leave out. No root; needs mkfs.erofs."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -105,3 +106,15 @@ def test_a_long_mkfs_tells_how_much_of_the_layer_it_has_written(tmp_path, monkey
 
     erofs.build(_tree(tmp_path), tmp_path / "x.erofs", written=written)
     assert heard and heard[-1] == 5000
+
+
+def test_hard_links_count_once_toward_the_size_bound(tmp_path):
+    """A file with several names is one inode, which the layer stores once
+    (conda and `git clone --local` link files by the thousand): its bytes
+    count once toward images.max_snapshot_bytes, not once per name."""
+    top = tmp_path / "upper"
+    top.mkdir()
+    (top / "model.bin").write_bytes(b"m" * 1000)
+    for name in ("a", "b"):
+        os.link(top / "model.bin", top / name)
+    assert check_apparent_size(top, [], 2000) == 1000
