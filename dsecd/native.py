@@ -31,7 +31,7 @@ __all__ = [
     # errors
     "NativeError", "native_error", "raise_error", "add_hints", "describe_errno", "STEPS",
     # container spawn and execs (spawn.c, init.c)
-    "ContainerSpec", "ExecSpec", "spawn_container", "spawn_exec", "check_exec_request", "init_exec_error",
+    "ContainerSpec", "TooManyLayers", "ExecSpec", "spawn_container", "spawn_exec", "check_exec_request", "init_exec_error",
     "cgroup_make",
     "init_binary_path", "INIT_MAGIC", "INIT_OP_START", "INIT_OP_KILL", "INIT_OP_COPY", "INIT_OP_RELEASE", "INIT_OP_PRUNE",
     "INIT_START_CTTY",
@@ -412,9 +412,20 @@ class ContainerSpec:
         # The spawn child copies them into a buffer of one page (csrc/spawn.c
         # DSEC_OVERLAY_OPTS_MAX), and mount(2) would take no more.
         if len(opts) >= PAGE_SIZE:
-            raise ValueError(f"overlay options of {len(self.lowerdirs)} layers are {len(opts)} bytes, past "
-                             f"{PAGE_SIZE - 1}: use an image of fewer layers (squash some)")
+            raise TooManyLayers(len(self.lowerdirs), len(opts))
         return opts
+
+
+class TooManyLayers(ValueError):
+    """Overlay mount data of more layers than one page holds: an image too
+    deep for a container (a long chain of snapshots or builds)."""
+
+    def __init__(self, layers: int, size: int):
+        self.layers, self.size = layers, size
+        # About how many layers fit, their paths being about as long as these.
+        self.fit = max(1, layers * (PAGE_SIZE - 1) // size)
+        super().__init__(f"overlay options of {layers} layers are {size} bytes, past {PAGE_SIZE - 1}: "
+                         f"use an image of fewer layers (about {self.fit} fit)")
 
 
 # Paths through one of our fds (idmapped layers, the upper tmpfs): the spawn

@@ -28,6 +28,7 @@ from pathlib import Path
 from .. import cgroup, execio, fds, initlink, native, sysfs, userns
 from ..caps import CAP_NUMBERS, cap_mask
 from ..config import ConfigError
+from ..errors import LimitExceeded
 from ..fs import upper as upperfs
 from ..imageconfig import DEFAULT_PATH
 from ..steps import Steps
@@ -251,6 +252,13 @@ class ContainerBackend:
                         oom_reset=_OOM_RESET, root_ns_fd=self.root_ns_fd, park_fds=layers.clone_fds,
                         proc_options=proc_options, root_readonly=root_readonly)
                     pid = native.spawn_container(spec)
+            except native.TooManyLayers as err:
+                raise LimitExceeded(
+                    f"create sandbox {sb_id}: its image has {err.layers} layers, more than a container's overlay "
+                    f"mounts here (about {err.fit}: its mount options, a path per layer, fit in one page); use an "
+                    "image of fewer layers: `dsec image build` of a directory or a root file system tarball "
+                    "makes one, and a chain of snapshots gains one per snapshot",
+                    {"layers": err.layers, "max_layers": err.fit}) from err
             finally:
                 if theirs is not None:
                     theirs.close()      # init holds its copy now (or there is no init)

@@ -13,7 +13,7 @@ import pytest
 from image_kit import _entry, _file, _tar_bytes, docker_save
 
 import dsecd
-from dsecd.errors import BadRequest, Conflict, NotFound
+from dsecd.errors import BadRequest, Conflict, LimitExceeded, NotFound
 
 
 def tree_digest(sb, root="/work"):
@@ -574,6 +574,28 @@ def test_an_image_of_many_layers_starts(daemon_factory, busybox_rootfs, tmp_path
         with c.sandbox(image="l39") as sb:
             r = sb.exec(["sh", "-c", "cat /f1 /f16 /f39 /top"])
             assert (r.exit_code, r.stdout) == (0, b"1\n16\n39\n39\n"), r
+    finally:
+        c.close()
+
+
+def test_an_image_of_more_layers_than_an_overlay_mounts_is_a_limit(daemon_factory, busybox_rootfs, tmp_path):
+    """A chain of snapshots (or builds) adds a layer each time; past what
+    one overlay mount takes (its options, a path per layer, fit in a
+    page: a couple of hundred layers), a create is `limit` saying so and
+    what to do, not an internal error, and nothing of it is left."""
+    d = daemon_factory()
+    c = d.client()
+    try:
+        c.build_image(busybox_rootfs, "l0")
+        for n in range(1, 300):
+            layer = tmp_path / f"l{n}"
+            layer.mkdir()
+            (layer / f"f{n}").write_text(f"{n}\n")
+            c.build_image(str(layer), f"l{n}", parent=f"l{n - 1}")
+        with pytest.raises(LimitExceeded) as err:
+            c.create(image="l299")
+        assert "300 layers" in err.value.message and "fewer layers" in err.value.message
+        assert c.list() == []
     finally:
         c.close()
 
