@@ -195,7 +195,6 @@ class Node:
         self.file_service = FileService(self.registry, self.workers, self.memory.ensure_running,
                                         cfg.size("limits", "max_file_chunk_bytes"), self.backend.copy_by_init,
                                         self.vms, copy_temps, self.events)
-        self.image_service.temporaries = self.file_service.temporaries
         self.watch_service = WatchService(self.registry, self.workers, self.events, self.memory.ensure_running,
                                           self.limits["max_watches"], self.limits["max_watch_dirs"], self.vms)
         self.dir_copies = DirCopyService(self.registry, self.workers, self.memory.ensure_running,
@@ -206,6 +205,8 @@ class Node:
                                          self.file_service.hold_vm_temporary, self.events,
                                          self.file_service.journal_vm_temporary,
                                          self.file_service.end_vm_temporary)
+        files, copies = self.file_service, self.dir_copies
+        self.image_service.temporaries = lambda sb_id: files.temporaries(sb_id) + copies.landings(sb_id)
         fn_cfg = {**cfg.section("fncall"), "uid_base": call_uid_base(cfg)}      # 0 picked by userns
         self.call_service = CallService(fncall_backend(cfg, layout, self.backend), fn_cfg,
                                         CallService.sizes_from(cfg), sb["cpu_period_us"], self.image_service,

@@ -142,6 +142,8 @@ class DirCopyService:
         self._resuming: set[asyncio.Task] = set()
         self._ending: set[asyncio.Future] = set()     # removals of cancelled puts' VM temporaries, left to run
         self._putting: dict[str, int] = {}      # sandbox id -> its file_tar_puts under way
+        # sandbox id -> the directories its puts under way extract into (`.dsec-put-<hex>`)
+        self._landings: dict[str, list[str]] = {}
         if events is not None:
             events.listeners.append(self._on_event)
         self.temps = temps              # where a put's temporary directory is recorded while it exists
@@ -213,6 +215,7 @@ class DirCopyService:
         ctx.register_input(pipe)
         busy(sb, +1)
         records: list = []
+        landed: list[str] = []
         work = None
         # A client's landing place is held from the moment its directory is
         # made (its inode is the one renamed into place): a client killed
@@ -267,7 +270,7 @@ class DirCopyService:
             work = asyncio.ensure_future(self.workers.run(
                 fds.call_closing, root, functools.partial(userns.file_op, owner=owner),
                 userns.IdMap.from_record(sb.idmap), tarcopy.put_tree, root, req.path, pipe, self.max_entries,
-                self.max_bytes, self._filler(sb, where), self._recorder(sb, records, hold)))
+                self.max_bytes, self._filler(sb, where), self._recorder(sb, records, hold, landed)))
             try:
                 return await asyncio.shield(work)
             except asyncio.CancelledError:
@@ -297,14 +300,26 @@ class DirCopyService:
             # idle TTL, its resume on a pause): its worker still writes the
             # sandbox after a cancelled request's wait ran out.
             if work is None or work.done():
-                self._put_ended(sb, records)
+                self._put_ended(sb, records, landed)
             else:
-                work.add_done_callback(lambda _: self._put_ended(sb, records))
+                work.add_done_callback(lambda _: self._put_ended(sb, records, landed))
 
-    def _put_ended(self, sb: Sandbox, records: list) -> None:
+    def landings(self, sb_id: str) -> list[str]:
+        """The directories that puts under way into sandbox sb_id extract
+        into, to be renamed into place at their end: half-made, not the
+        sandbox's yet (a snapshot leaves them out)."""
+        return list(self._landings.get(sb_id, ()))
+
+    def _put_ended(self, sb: Sandbox, records: list, landed: list[str]) -> None:
         """A put whose worker (if it had one) is done: its records dropped,
         it no longer counts as running."""
         _drop_records(self.temps, records)
+        held = self._landings.get(sb.id, [])
+        for path in landed:
+            if path in held:
+                held.remove(path)
+        if not held:
+            self._landings.pop(sb.id, None)
         self.puts -= 1
         if self._putting[sb.id] > 1:
             self._putting[sb.id] -= 1
@@ -312,16 +327,20 @@ class DirCopyService:
             del self._putting[sb.id]
         busy(sb, -1)
 
-    def _recorder(self, sb: Sandbox, records: list, hold=None):
+    def _recorder(self, sb: Sandbox, records: list, hold=None, landed: list[str] | None = None):
         """made(path, st) for put_tree: the temporary directory recorded (on
         the loop: the worker runs with the sandbox's fs ids, which may not
-        write the state dir), its record kept in `records`; hold(st), if
-        given, told its stat there too."""
+        write the state dir), its record kept in `records` and its path in
+        `landed` and the sandbox's landings; hold(st), if given, told its
+        stat there too."""
         if self.temps is None:
             return None
         loop = self.workers.loop
 
         def keep(path: str, st) -> None:
+            if landed is not None:
+                landed.append(path)
+                self._landings.setdefault(sb.id, []).append(path)
             if hold is not None:
                 hold(st)
             rec = self.temps.record(sb.id, path, st)

@@ -146,7 +146,8 @@ class ImageService:
         # (MicroVMService.upper_tree).
         self.vm_upper = None
         # Set by the node: the paths of a sandbox that clients are writing
-        # under a temporary name now (FileService.temporaries).
+        # under a temporary name now (FileService.temporaries), and that
+        # directory copies under way extract into (DirCopyService.landings).
         self.temporaries = None
         self.state_dir = cfg.state_dir
         section = cfg.section("images")

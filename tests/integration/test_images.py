@@ -6,6 +6,7 @@ import io
 import os
 import signal
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -473,6 +474,57 @@ def test_a_snapshot_leaves_out_a_write_file_still_under_way(daemon_factory, busy
             return listed, kept
 
     assert asyncio.run(go()) == (b"kept\n", b"old\n")
+
+
+def test_a_snapshot_leaves_out_a_directory_copy_still_under_way(daemon_factory, busybox_rootfs):
+    """A directory copy in (`dsec cp -r`, upload_tar) extracts into a
+    `.dsec-put-<hex>` directory the daemon renames into place at its end:
+    a snapshot taken meanwhile leaves that half-made directory out."""
+    d = daemon_factory()
+    with d.client() as c:
+        c.build_image(busybox_rootfs, "base")
+
+    async def go() -> bytes:
+        async with dsecd.Client(d.socket) as c:
+            sb = await c.create(image="base")
+            rest = threading.Event()
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                for i in range(2):
+                    info = tarfile.TarInfo(f"f{i}")
+                    info.size = 1 << 20
+                    tar.addfile(info, io.BytesIO(b"x" * info.size))
+            data = buf.getvalue()
+
+            r, w = os.pipe()
+
+            def send() -> None:               # half the tar, then the rest once the snapshot is taken
+                with open(w, "wb") as out:
+                    out.write(data[:len(data) // 2])
+                    out.flush()
+                    rest.wait()
+                    out.write(data[len(data) // 2:])
+
+            async def landing_made() -> None:
+                while not any(e["name"].startswith(".dsec-put-") for e in await sb.list_files("/work")):
+                    await asyncio.sleep(0.05)
+
+            sending = asyncio.ensure_future(asyncio.to_thread(send))
+            with open(r, "rb") as tar_in:
+                copying = asyncio.ensure_future(sb.upload_tar(tar_in, "/work/in"))
+                await asyncio.wait_for(landing_made(), 60)
+                await sb.snapshot("mid-copy")
+                rest.set()
+                await copying
+            await sending
+            assert (await sb.exec("ls /work/in")).stdout == b"f0\nf1\n"
+            sb2 = await c.create(image="mid-copy")
+            listed = (await sb2.exec("ls -A /work")).stdout
+            await sb.destroy()
+            await sb2.destroy()
+            return listed
+
+    assert asyncio.run(go()) == b""
 
 
 def test_snapshot_name_conflict_and_missing_sandbox(images):
