@@ -1208,7 +1208,8 @@ def _write_output(chunk, pid: int) -> None:
               "older than that count)", file=sys.stderr, flush=True)
     if chunk.dropped:
         print(f"dsec: {chunk.dropped} bytes of the output of process {pid} fell out of the daemon's buffer "
-              "(limits.proc_output_bytes, or a daemon restart) before this", file=sys.stderr, flush=True)
+              "(limits.proc_output_bytes, or a daemon restart) or of dsec's, which it was writing out slower "
+              "than the process wrote them, before this", file=sys.stderr, flush=True)
     if chunk.fd == 0:
         return
     _write_flush(chunk.fd, chunk.data)

@@ -88,6 +88,14 @@ SETTLED_WHEN_ABANDONED = ("exec", "file_tar_put", "file_remove", "proc_start", "
                           "job_pause", "job_resume")
 # How soon Client.hold renews again after a renew found the connection gone.
 HOLD_RETRY_S = 1.0
+# The most bytes of a followed background process's output (Process.output)
+# a client holds for a reader that is behind: past it, what comes is
+# dropped and counted, as the daemon's own ring (limits.proc_output_bytes,
+# 1M by default) drops what a follower too slow for it missed.
+FOLLOWED_OUTPUT_BYTES = 16 << 20
+# What a frame held for such a reader counts besides its data (its dict, its
+# bytes object, its place in the queue).
+PENDING_FRAME_COST = 512
 
 log = logging.getLogger(__name__)
 
@@ -446,10 +454,63 @@ class _Budget:
 
 
 class _Pending:
-    """Frames of one request: stream frames queue up, the final one ends it."""
+    """Frames of one request: stream frames queue up, the final one ends it.
 
-    def __init__(self):
+    `limit`: the most bytes of stream data held for a reader that is
+    behind; past it, data that comes is dropped and counted (with the
+    daemon's own {"dropped": n} frames meanwhile) until the reader has
+    taken half of what is held, and one {"dropped": n} frame takes its
+    place then (or before the final frame). The connection's
+    reader reads every frame as it comes, whoever waits for them, so
+    nothing slows the daemon down: without a limit, a followed process
+    that writes faster than its reader reads would fill this client's
+    memory. Each frame counts PENDING_FRAME_COST bytes more than its data,
+    so that a stream of tiny frames is bounded too."""
+
+    def __init__(self, limit: int | None = None):
         self.queue: asyncio.Queue[dict] = asyncio.Queue()
+        self.limit = limit
+        self.held = 0            # bytes of stream data in the queue, with each frame's cost
+        self.skipped = 0         # bytes dropped since the last frame queued
+        self.dropping = False
+
+    def _cost(self, frame: dict) -> int | None:
+        """What a frame counts against the limit; None: not counted (no limit, not a stream frame)."""
+        stream = frame.get("stream")
+        if self.limit is None or not isinstance(stream, dict):
+            return None
+        return len(stream.get("data") or b"") + PENDING_FRAME_COST
+
+    def put(self, frame: dict) -> None:
+        """A frame from the daemon (the connection's reader)."""
+        cost = self._cost(frame)
+        stream = frame.get("stream")
+        if cost is not None:
+            # Output, or the daemon's own count of output its ring lost (a
+            # first frame's lost_before is kept whole).
+            lost = (len(stream["data"]) if stream.get("data") is not None
+                    else stream["dropped"] if "dropped" in stream and "lost_before" not in stream
+                    else None)
+            if lost is not None:
+                if not (self.dropping and self.held > self.limit // 2):
+                    self.dropping = self.held + cost > self.limit
+                if self.dropping:
+                    self.skipped += lost
+                    return
+            self.held += cost
+        if self.skipped:
+            notice = {"stream": {"dropped": self.skipped}}
+            self.held += PENDING_FRAME_COST
+            self.queue.put_nowait(notice)
+            self.skipped = 0
+        self.queue.put_nowait(frame)
+
+    async def get(self) -> dict:
+        frame = await self.queue.get()
+        cost = self._cost(frame)
+        if cost is not None:
+            self.held -= cost
+        return frame
 
 
 class _Conn:
@@ -730,7 +791,7 @@ class Client:
                     break
                 pending = conn.pending.get(rid)
                 if pending is not None:
-                    pending.queue.put_nowait(frame)
+                    pending.put(frame)
         except _NotFrames as err:
             error = ConnectionError(str(err))
             conn.garbled = True
@@ -895,7 +956,11 @@ class Client:
                               sent: asyncio.Event | None) -> AsyncIterator[dict]:
         if conn.lost is not None:
             raise self._lost_error(conn.lost, op, sent=False)
-        pending = conn.pending[rid] = _Pending()
+        # A background process's output, followed, comes as fast as the
+        # process writes it; the rest is bounded by its request (without
+        # follow, by the daemon's ring).
+        followed = op == "proc_logs" and args.get("follow", False)
+        pending = conn.pending[rid] = _Pending(FOLLOWED_OUTPUT_BYTES if followed else None)
         finished = False
         on_wire = False
         key = args.get("key") if op == "create" else None
@@ -918,7 +983,7 @@ class Client:
                 sent.set()
             again = REFUSED_AGAIN_S
             while True:
-                frame = await pending.queue.get()
+                frame = await pending.get()
                 if "__lost__" in frame:
                     raise self._lost_error(frame["__lost__"], op, sent=True)
                 if "stream" in frame:
@@ -1583,7 +1648,9 @@ class ExecStream:
 class ProcOutput:
     """A chunk of a background process's output: `fd` 1 or 2, `data`, and
     `time` (seconds since the epoch) when the daemon read it. A notice that
-    output fell out of the daemon's ring has fd 0, no data and `dropped` > 0,
+    output fell out of the daemon's ring, or was dropped by this client for
+    a follower that fell behind by more than FOLLOWED_OUTPUT_BYTES, has fd
+    0, no data and `dropped` > 0,
     or `lost_before`: the daemon was replaced at that time without a count
     of what it had read (it died, or was older than that count), and what
     the process wrote before it, if anything, is gone uncounted."""
@@ -1645,7 +1712,9 @@ class Process:
     async def output(self, follow: bool = True, since: float | None = None) -> AsyncIterator[ProcOutput]:
         """Its output kept by the daemon, then (follow) new output as it
         comes, until it exited and its output drained; since: only chunks
-        read at or after this time (seconds since the epoch)."""
+        read at or after this time (seconds since the epoch). A loop that
+        reads slower than the process writes loses what comes while it is
+        FOLLOWED_OUTPUT_BYTES behind: a ProcOutput with `dropped` counts it."""
         args = self._args(follow=follow, **({"since": since} if since is not None else {}))
         async with contextlib.aclosing(self.sb.client.frames("proc_logs", **args)) as frames:
             async for frame in frames:
