@@ -1433,12 +1433,28 @@ class _SandboxContext:
         self.sandbox = await self.client.create(self.image, **self.create_args)
         return self.sandbox
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, exc_type, exc, tb) -> None:
         if self.sandbox is not None:
+            # Shielded: a cancel is one way to get here, and the sandbox must go all the same.
+            destroy = asyncio.ensure_future(self.sandbox.destroy(force=True))
             try:
-                await self.sandbox.destroy(force=True)
+                await asyncio.shield(destroy)
             except NotFound:
                 pass                        # destroyed inside the block already
+            except (DsecError, ConnectionError) as err:
+                if exc_type is None:
+                    raise
+                # The block's own error (a cancel, an asyncio.timeout's)
+                # is the one raised: replaced, a timeout would not be one,
+                # a TaskGroup's cancelled task would fail.
+                _left_behind(self.sandbox, err)
+
+
+def _left_behind(sb, err: BaseException) -> None:
+    """Say that the destroy of `sb`, on the way out of a sandbox() block that
+    ended by an error of its own, failed with `err`: that error is raised."""
+    log.warning("sandbox %s on %s was not destroyed as its block ended (%s); remove it with "
+                "`dsec rm --force %s`", sb.id, sb.host, err, sb.id)
 
 
 def _run_args(args: list[str] | None) -> list[str] | None:

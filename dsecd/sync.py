@@ -33,6 +33,7 @@ from .client import (
     ProcStatus,
     RunStream,
     Sandbox,
+    _left_behind,
 )
 from .errors import DsecError, NotFound
 from .fleet import Fleet, FleetHost
@@ -700,12 +701,16 @@ class _SyncSandboxContext:
         self.sandbox = self.client.create(self.image, **self.create_args)
         return self.sandbox
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if self.sandbox is not None:
             try:
                 self.sandbox.destroy(force=True)
             except NotFound:
                 pass                        # destroyed inside the block already
+            except (DsecError, ConnectionError) as err:
+                if exc_type is None:
+                    raise
+                _left_behind(self.sandbox, err)     # the block's own error is the one raised
 
 
 class SyncFleet(_LoopThread):
