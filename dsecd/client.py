@@ -1421,9 +1421,10 @@ class Client:
 
 
 class _SandboxContext:
-    """Client.sandbox(): create on enter, destroy (force) on exit."""
+    """Client.sandbox() (and Fleet.sandbox(): `client` is then the fleet):
+    create on enter, destroy (force) on exit."""
 
-    def __init__(self, client: Client, image: str, create_args: dict):
+    def __init__(self, client, image: str, create_args: dict):
         self.client = client
         self.image = image
         self.create_args = create_args

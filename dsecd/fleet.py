@@ -97,7 +97,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from . import remote
-from .client import Client, Sandbox
+from .client import Client, Sandbox, _SandboxContext
 from .config import parse_size
 from .errors import BadRequest, Busy, ConnectionLost, DsecError, HostsDown, NotFound
 
@@ -695,6 +695,12 @@ class Fleet:
             self._where[sb.id] = host.target
             self._key_of[sb.id] = key
             return FleetSandbox(self, sb)
+
+    def sandbox(self, image: str, **create_args) -> _SandboxContext:
+        """`async with fleet.sandbox(image=...) as sb:` creates a sandbox on
+        the best host (create's arguments) and destroys it on the way out,
+        killing its execs, as Client.sandbox does."""
+        return _SandboxContext(self, image, create_args)
 
     def _not_there(self, host: FleetHost, image: str, err: NotFound, skip: dict[str, str],
                    lasting: dict[str, str]) -> None:

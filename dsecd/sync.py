@@ -691,7 +691,7 @@ class SyncClient(_LoopThread):
 
 
 class _SyncSandboxContext:
-    def __init__(self, client: SyncClient, image: str, create_args: dict):
+    def __init__(self, client: SyncClient | SyncFleet, image: str, create_args: dict):
         self.client = client
         self.image = image
         self.create_args = create_args
@@ -769,6 +769,11 @@ class SyncFleet(_LoopThread):
 
     def create(self, image: str, **kw) -> SyncSandbox:
         return SyncSandbox(self, self._run(self._fleet.create(image, **kw)))
+
+    def sandbox(self, image: str, **create_args) -> _SyncSandboxContext:
+        """`with fleet.sandbox(image=...) as sb:` creates a sandbox on the best
+        host (create's arguments) and destroys it on the way out (Fleet.sandbox)."""
+        return _SyncSandboxContext(self, image, create_args)
 
     def get(self, sandbox_id: str) -> SyncSandbox:
         return SyncSandbox(self, self._run(self._fleet.get(sandbox_id)))

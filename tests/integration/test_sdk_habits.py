@@ -70,6 +70,27 @@ def test_sync_sandbox_context_destroys_on_exit_even_after_an_error(client):
         sb.destroy()                        # destroyed inside: leaving the block is fine
 
 
+def test_a_fleets_sandbox_block_places_it_and_destroys_it_even_after_an_error(daemon):
+    """Fleet.sandbox and SyncFleet.sandbox, as Client.sandbox: a trainer
+    moving from one host to a fleet keeps its `async with`."""
+    async def go():
+        async with dsecd.Fleet([daemon.socket]) as fleet:
+            with pytest.raises(RuntimeError):
+                async with fleet.sandbox(image="busybox", memory="64M") as sb:
+                    assert (await sb.exec("echo hi")).stdout == b"hi\n"
+                    assert sb.host == daemon.socket
+                    first = sb.id
+                    raise RuntimeError("the agent failed")
+            return first, [r["id"] for r in await fleet.list()]
+
+    first, left = asyncio.run(go())
+    assert first not in left
+    with dsecd.SyncFleet([daemon.socket]) as fleet:
+        with fleet.sandbox(image="busybox", memory="64M") as sb:
+            assert sb.exec("echo hi").stdout == b"hi\n"
+        assert sb.id not in {r["id"] for r in fleet.list()}
+
+
 def test_more_requests_than_the_daemon_takes_at_once_queue_in_the_client(daemon, sandbox):
     """300 execs on one client against limits.max_requests_per_client = 256."""
     async def go():
