@@ -97,6 +97,17 @@ def test_every_package_is_in_the_distribution():
     assert found == listed
 
 
+def test_the_distribution_says_its_annotations_are_for_type_checkers():
+    """Without a py.typed marker (PEP 561) in the wheel, mypy and pyright
+    take an installed dsecd as untyped: an import-untyped error, and every
+    SDK name (Client, Sandbox, ExecResult) Any in a trainer's code."""
+    import tomllib
+
+    data = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "py.typed" in data["dsecd"]
+    assert (PACKAGE / "py.typed").is_file()
+
+
 def test_modules_use_only_what_native_exports():
     """native.py is the C layer's one face: others use the names in its
     __all__ and none of its private ones (read with ast: the module needs
