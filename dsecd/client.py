@@ -30,7 +30,7 @@ import posixpath
 import secrets
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from . import framing, imageconfig, localcopy, protocol, remote
@@ -96,6 +96,13 @@ FOLLOWED_OUTPUT_BYTES = 16 << 20
 # What a frame held for such a reader counts besides its data (its dict, its
 # bytes object, its place in the queue).
 PENDING_FRAME_COST = 512
+
+# A command as exec, exec_stream, spawn and call take it (command_argv): a
+# string run by /bin/sh -c, or a list (or tuple) of arguments, each a str or
+# bytes.
+Command = str | Sequence[str | bytes]
+# An exec's stdin: bytes-like, or an async iterable of bytes (ExecStream).
+Stdin = bytes | bytearray | memoryview | AsyncIterable[bytes]
 
 log = logging.getLogger(__name__)
 
@@ -1258,7 +1265,7 @@ class Client:
         return Sandbox(self, info["id"], info)
 
     def run_stream(self, image: str, args: list[str] | None = None, entrypoint: list[str] | str | None = None,
-                   timeout: float | str | None = None, stdin: bytes | AsyncIterator[bytes] | None = None,
+                   timeout: float | str | None = None, stdin: Stdin | None = None,
                    remove: bool = True, pty: bool = False, rows: int | None = None, cols: int | None = None,
                    **create_args) -> RunStream:
         """`async with c.run_stream(image, args) as run:` makes a sandbox of
@@ -1275,7 +1282,7 @@ class Client:
                          {"pty": True, "rows": rows, "cols": cols} if pty else {})
 
     async def run(self, image: str, args: list[str] | None = None, entrypoint: list[str] | str | None = None,
-                  timeout: float | str | None = None, stdin: bytes | AsyncIterator[bytes] | None = None,
+                  timeout: float | str | None = None, stdin: Stdin | None = None,
                   on_stdout: Callable[[bytes], object] | None = None,
                   on_stderr: Callable[[bytes], object] | None = None, remove: bool = True,
                   **create_args) -> ExecResult:
@@ -1301,8 +1308,9 @@ class Client:
         (create's arguments) and destroys it on the way out, killing its execs."""
         return _SandboxContext(self, image, create_args)
 
-    async def call(self, image: str, argv: list[str] | None = None, code: str | None = None,
-                   args: list[str] | None = None, stdin: bytes | None = None, env: dict | None = None,
+    async def call(self, image: str, argv: Command | None = None, code: str | None = None,
+                   args: list[str] | None = None, stdin: bytes | bytearray | memoryview | None = None,
+                   env: dict | None = None,
                    timeout: float | str | None = None) -> CallResult:
         """A stateless function call (FnCall backend): `argv`, or Python `code` run by a fork of
         the image's pre-imported zygote. Many may be in flight on one client."""
@@ -1498,7 +1506,7 @@ class RunStream:
     goes when the block ends. Iterate it for (fd, data)."""
 
     def __init__(self, client: Client, image: str, args: list[str] | None, entrypoint: list[str] | str | None,
-                 timeout: float | None, stdin: bytes | AsyncIterator[bytes] | None, remove: bool,
+                 timeout: float | None, stdin: Stdin | None, remove: bool,
                  create_args: dict, terminal: dict | None = None):
         self.client = client
         self.terminal = terminal or {}          # exec_stream's pty, rows, cols
@@ -1571,7 +1579,7 @@ class ExecStream:
     until the exec request is on the wire, so they are called from another
     task than the one iterating (or between its chunks)."""
 
-    def __init__(self, sb: Sandbox, args: dict, stdin: bytes | AsyncIterator[bytes] | None):
+    def __init__(self, sb: Sandbox, args: dict, stdin: Stdin | None):
         if not (stdin is None or isinstance(stdin, (bytes, bytearray, memoryview)) or hasattr(stdin, "__aiter__")):
             hint = ": encode it" if isinstance(stdin, str) else " (b\"\".join(...) a list of chunks)"
             raise TypeError(f"stdin must be bytes or an async iterator of bytes, got {type(stdin).__name__}{hint}")
@@ -1808,8 +1816,8 @@ class Sandbox:
             raise ValueError("rows and cols are a terminal's window size: give them with pty=True")
         return args
 
-    async def exec(self, argv: list[str] | str, timeout: float | str | None = None, env: dict | None = None,
-                   cwd: str | None = None, user: int | str | None = None, stdin: bytes | None = None,
+    async def exec(self, argv: Command, timeout: float | str | None = None, env: dict | None = None,
+                   cwd: str | None = None, user: int | str | None = None, stdin: Stdin | None = None,
                    trace: bool = False, on_stdout: Callable[[bytes], object] | None = None,
                    on_stderr: Callable[[bytes], object] | None = None, pty: bool = False,
                    rows: int | None = None, cols: int | None = None,
@@ -1832,9 +1840,9 @@ class Sandbox:
                                   pty=pty, rows=rows, cols=cols, policy=policy)
         return await _collect(stream, on_stdout, on_stderr)
 
-    def exec_stream(self, argv: list[str] | str, timeout: float | str | None = None, env: dict | None = None,
+    def exec_stream(self, argv: Command, timeout: float | str | None = None, env: dict | None = None,
                     cwd: str | None = None, user: int | str | None = None,
-                    stdin: bytes | AsyncIterator[bytes] | None = None, trace: bool = False, pty: bool = False,
+                    stdin: Stdin | None = None, trace: bool = False, pty: bool = False,
                     rows: int | None = None, cols: int | None = None,
                     policy: str | dict | None = None) -> ExecStream:
         """The exec as an ExecStream of (fd, data). With pty, it runs on a
@@ -1845,7 +1853,7 @@ class Sandbox:
                                policy)
         return ExecStream(self, args, stdin)
 
-    async def spawn(self, argv: list[str] | str, env: dict | None = None, cwd: str | None = None,
+    async def spawn(self, argv: Command, env: dict | None = None, cwd: str | None = None,
                     user: int | str | None = None, stdin: bool = True, policy: str | dict | None = None) -> Process:
         """Start a background process (an argv list, or a string run by
         /bin/sh -c); returns once it runs. It outlives this client and a

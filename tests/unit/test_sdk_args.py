@@ -589,3 +589,57 @@ def test_the_cli_prints_json_of_an_answer_with_a_key_that_is_not_utf8(capsys):
 
     print_json({"env": {b"K\xe9": "v", b"K\xff": "w", "PATH": "/bin"}, "id": "x"})
     assert json.loads(capsys.readouterr().out) == {"env": {"K\\xe9": "v", "K\\xff": "w", "PATH": "/bin"}, "id": "x"}
+
+
+def _admits(hint, value) -> bool:
+    """Whether `value` is of the annotation `hint` (unions, None, classes,
+    and Sequence, list, Iterable or AsyncIterable of an item type)."""
+    import collections.abc
+    import types
+    import typing
+
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_admits(h, value) for h in typing.get_args(hint))
+    if hint is None or hint is type(None):
+        return value is None
+    if origin is None:
+        return isinstance(value, hint)
+    if origin in (list, tuple, collections.abc.Sequence):
+        return isinstance(value, origin) and all(_admits(typing.get_args(hint)[0], v) for v in value)
+    return isinstance(value, origin)
+
+
+async def _chunks():
+    yield b"x"
+
+
+@pytest.mark.parametrize("method,param", [("Sandbox.exec", "argv"), ("Sandbox.exec_stream", "argv"),
+                                          ("Sandbox.spawn", "argv"), ("Client.call", "argv")])
+def test_the_hints_of_a_command_take_what_the_call_takes(method, param):
+    """A type checker held a trainer's valid call against a hint narrower
+    than the call: an argv with bytes (a name that is not UTF-8), a tuple."""
+    import typing
+
+    from dsecd import client
+
+    cls, name = method.split(".")
+    hint = typing.get_type_hints(getattr(getattr(client, cls), name))[param]
+    for argv in ("echo hi", ["echo", "hi"], ["ls", b"caf\xe9"], ("ls", "-l")):
+        command_argv(argv)                          # the call takes it...
+        assert _admits(hint, argv), argv             # ...and so does its hint
+
+
+@pytest.mark.parametrize("method", ["exec", "exec_stream"])
+def test_the_hints_of_an_execs_stdin_take_what_the_call_takes(method):
+    import typing
+
+    from dsecd.client import Sandbox
+
+    hint = typing.get_type_hints(getattr(Sandbox, method))["stdin"]
+    chunks = _chunks()
+    try:
+        for stdin in (b"x", bytearray(b"x"), memoryview(b"x"), chunks, None):
+            assert _admits(hint, stdin), stdin
+    finally:
+        chunks.aclose().close()
