@@ -410,6 +410,33 @@ class _Subscribed:
         await self._agen.aclose()
 
 
+# How long close() lets the calls other threads still wait for end on their
+# own (failed by the closed connection) before it cancels them, and then
+# waits for those cancels.
+CLOSE_WAIT_S = 2.0
+
+
+async def _end_the_rest(grace: float) -> None:
+    """On a SyncClient's loop as close() stops it, once nothing more is
+    handed to it: the calls other threads still wait for (a stream's next
+    chunk, a request) end first, by the closed connection's error or, past
+    `grace`, cancelled; then the loop stops. Stopped under them, they would
+    never end, and their threads would wait forever."""
+    me = asyncio.current_task()
+    rest = {t for t in asyncio.all_tasks() if t is not me}
+    if rest:
+        _, pending = await asyncio.wait(rest, timeout=grace)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=grace)
+    # A task that ended just before this one looked hands its result to
+    # the waiting thread by a callback the loop runs next: it runs before
+    # the loop stops.
+    await asyncio.sleep(0)
+    asyncio.get_running_loop().stop()
+
+
 async def _now(fn, *args):
     """fn(*args) called on the loop (what touches the loop's state, or starts tasks there)."""
     return fn(*args)
@@ -439,6 +466,10 @@ class _LoopThread:
     def __init__(self) -> None:
         self._pid = os.getpid()          # a forked child has no thread to run the loop
         self._loop = asyncio.new_event_loop()
+        # Set by _stop_loop, under _handing, once nothing more may be handed
+        # to the loop: a call handed to it after it stopped would wait forever.
+        self._stopping = False
+        self._handing = threading.Lock()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dsecd-sync-loop", daemon=True)
         self._thread.start()
 
@@ -451,17 +482,16 @@ class _LoopThread:
             # blocking call from there would wait for the loop it blocks.
             raise RuntimeError(f"a {self._what} cannot be called from its own callbacks; use the "
                                "async API there, or collect and call after the request")
-        if self._loop.is_closed():
-            if asyncio.iscoroutine(awaitable):
-                awaitable.close()
-            # close() stopped its loop's thread for good: no connect() brings it back.
-            raise ConnectionError(f"this {self._what} is closed: make a new {self._what} to talk to the "
-                                  "daemon again")
         self._check_process(awaitable)
         call = _Call()
-        future = asyncio.run_coroutine_threadsafe(_awaited(awaitable, call), self._loop)
+        future = self._hand(_awaited(awaitable, call), awaitable)
         try:
             return future.result()
+        except concurrent.futures.CancelledError:
+            if not self._stopping:
+                raise
+            # Still under way when close() stopped the loop: cancelled there.
+            raise ConnectionError(f"this {self._what} was closed while the call waited") from None
         except BaseException:
             # Interrupted (KeyboardInterrupt, SystemExit from a signal handler)
             # while the request runs on the loop: cancel it there, or it would
@@ -486,7 +516,20 @@ class _LoopThread:
     def _submit(self, awaitable) -> concurrent.futures.Future:
         """Start `awaitable` on the loop; its future (streams: events, watch)."""
         self._check_process(awaitable)
-        return asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._loop)
+        return self._hand(_awaited(awaitable), awaitable)
+
+    def _hand(self, coro, awaitable) -> concurrent.futures.Future:
+        """Run `coro` (the caller's `awaitable`, wrapped) on the loop,
+        unless close() has stopped it or is stopping it."""
+        with self._handing:
+            if not self._stopping and not self._loop.is_closed():
+                return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        coro.close()
+        if asyncio.iscoroutine(awaitable):
+            awaitable.close()
+        # close() stopped its loop's thread for good: no connect() brings it back.
+        raise ConnectionError(f"this {self._what} is closed: make a new {self._what} to talk to the "
+                              "daemon again")
 
     def _named(self) -> str:
         return self._what
@@ -499,7 +542,9 @@ class _LoopThread:
         try:
             self._run(last)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            with self._handing:
+                self._stopping = True
+            asyncio.run_coroutine_threadsafe(_end_the_rest(CLOSE_WAIT_S), self._loop)
             self._thread.join()
             self._loop.close()
 
