@@ -1546,8 +1546,9 @@ class RunStream:
 
     async def __aiter__(self):
         assert self.stream is not None, "iterate a RunStream inside its `async with` block"
-        async for chunk in self.stream:
-            yield chunk
+        async with contextlib.aclosing(aiter(self.stream)) as chunks:      # closed with this one
+            async for chunk in chunks:
+                yield chunk
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         await self._remove(exc_type is not None)
@@ -2371,12 +2372,15 @@ async def _collect(stream, on_stdout, on_stderr) -> ExecResult:
     output, each chunk also handed to its fd's callback (which may be async)."""
     out: dict[int, list[bytes]] = {1: [], 2: []}
     callbacks = {1: on_stdout, 2: on_stderr}
-    async for fd, data in stream:
-        out[fd].append(data)
-        if callbacks[fd] is not None:
-            result = callbacks[fd](data)
-            if asyncio.iscoroutine(result):
-                await result
+    # aclosing: a callback that raises ends the exec (cancelled, and settled)
+    # before its error goes on, not whenever the stream is collected.
+    async with contextlib.aclosing(aiter(stream)) as chunks:
+        async for fd, data in chunks:
+            out[fd].append(data)
+            if callbacks[fd] is not None:
+                result = callbacks[fd](data)
+                if asyncio.iscoroutine(result):
+                    await result
     assert stream.result is not None
     stream.result.stdout, stream.result.stderr = b"".join(out[1]), b"".join(out[2])
     return stream.result

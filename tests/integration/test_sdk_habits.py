@@ -60,6 +60,24 @@ def test_output_callbacks_get_each_chunk(daemon):
         c.close()
 
 
+def test_an_output_callback_that_raises_ends_the_exec_before_its_error_is_raised(daemon):
+    """The exec's stream was left to the garbage collector: the command ran
+    on after exec() raised, and a destroy without force right then was
+    refused for it."""
+    async def go():
+        async with dsecd.Client(daemon.socket) as c:
+            async with c.sandbox(image="busybox", memory="64M") as sb:
+                def broken(chunk):
+                    raise ValueError("the callback broke")
+
+                with pytest.raises(ValueError, match="the callback broke"):
+                    await sb.exec("echo hi; sleep 60", on_stdout=broken)
+                assert (await sb.inspect())["execs_running"] == 0
+                await sb.destroy()
+
+    asyncio.run(go())
+
+
 def test_sync_sandbox_context_destroys_on_exit_even_after_an_error(client):
     with pytest.raises(RuntimeError), client.sandbox(image="busybox", memory="64M") as sb:
         assert sb.exec("true").exit_code == 0
