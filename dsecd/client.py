@@ -909,14 +909,22 @@ class Client:
         if conn.reader is not None and not conn.reader.done():
             await asyncio.wait([conn.reader], timeout=2 * remote.EXIT_WAIT_S)
 
-    async def _send(self, conn: _Conn, rid: int, op: str, args: dict) -> None:
+    def _encode(self, conn: _Conn, rid: int, op: str, args: dict) -> tuple[bytes, ...]:
+        """The request's frame as sent. An argument msgpack cannot pack (a
+        datetime.timedelta, a set) is a TypeError naming the request."""
+        frame = {"id": rid, "op": op, "args": args}
+        try:
+            if conn.tails:
+                return protocol.encode_tailed_request(frame, self.max_frame)
+            return protocol.encode_frame_parts(frame, self.max_frame)
+        except TypeError as err:
+            raise TypeError(f"{op}: {err}: arguments go as str, bytes, int, float, bool, None and lists and "
+                            "dicts of them (a duration: seconds, or a string such as \"5m\")") from None
+
+    async def _send(self, conn: _Conn, parts: tuple[bytes, ...]) -> None:
         if conn.writer.is_closing():
             raise ConnectionError("not connected to dsecd")
-        frame = {"id": rid, "op": op, "args": args}
-        if conn.tails:
-            conn.writer.writelines(protocol.encode_tailed_request(frame, self.max_frame))
-        else:
-            conn.writer.writelines(protocol.encode_frame_parts(frame, self.max_frame))
+        conn.writer.writelines(parts)
         await conn.writer.drain()
 
     def new_id(self) -> int:
@@ -976,12 +984,15 @@ class Client:
 
         async def send() -> None:
             try:
-                await self._send(conn, rid, op, args)
+                await self._send(conn, parts)
             except ConnectionError as err:
                 await self._reason(conn)
                 raise self._lost_error(conn.lost or err, op, sent=True) from None
 
         try:
+            # Packed before anything is sent: a request that cannot be fails
+            # here, with nothing to cancel or wait for.
+            parts = self._encode(conn, rid, op, args)
             # Once _send starts, the frame is in the transport's buffer (only
             # its drain awaits): a cancel from here on finds it sent.
             on_wire = True
@@ -1031,7 +1042,7 @@ class Client:
             if abandoned and on_wire:
                 # Abandoned early (break, exception, cancel): tell the daemon to stop it.
                 try:
-                    await self._send(conn, next(self._ids), "cancel", {"target": rid})
+                    await self._send(conn, self._encode(conn, next(self._ids), "cancel", {"target": rid}))
                 except (ConnectionError, DsecError):
                     pass
             if undo:

@@ -203,7 +203,7 @@ def test_a_request_whose_send_fails_says_why_the_connection_ended(tmp_path, monk
             c = Client(path)
             await c.connect()
 
-            async def send(conn, rid, op, args):
+            async def send(conn, parts):
                 # The daemon goes as this request is written.
                 asyncio.get_running_loop().call_soon(served[0].transport.abort)
                 raise ConnectionResetError("connection lost")
