@@ -606,6 +606,18 @@ def test_reference_names_for_local_builds(images, busybox_rootfs, tmp_path):
     assert c.request("image_inspect", name="busybox")["name"] == "docker.io/library/busybox:latest"
 
 
+def _layer_chain(c, rootfs: str, tmp_path, count: int) -> None:
+    """Images l0 (`rootfs`) to l{count-1}, each a layer on the one before
+    holding /f{n} and /top (which hides the layer's below)."""
+    c.build_image(rootfs, "l0")
+    for n in range(1, count):
+        layer = tmp_path / f"l{n}"
+        layer.mkdir()
+        (layer / f"f{n}").write_text(f"{n}\n")
+        (layer / "top").write_text(f"{n}\n")
+        c.build_image(str(layer), f"l{n}", parent=f"l{n - 1}")
+
+
 @pytest.mark.parametrize("userns", [True, False])
 def test_an_image_of_many_layers_starts(daemon_factory, busybox_rootfs, tmp_path, userns):
     """One overlay lowerdir per layer, top first: 16 layers of /proc/self/fd/N
@@ -615,13 +627,7 @@ def test_an_image_of_many_layers_starts(daemon_factory, busybox_rootfs, tmp_path
     d = daemon_factory("" if userns else "[sandbox]\nuserns = false\n")
     c = d.client()
     try:
-        c.build_image(busybox_rootfs, "l0")
-        for n in range(1, 40):
-            layer = tmp_path / f"l{n}"
-            layer.mkdir()
-            (layer / f"f{n}").write_text(f"{n}\n")
-            (layer / "top").write_text(f"{n}\n")          # each layer hides the one below
-            c.build_image(str(layer), f"l{n}", parent=f"l{n - 1}")
+        _layer_chain(c, busybox_rootfs, tmp_path, 40)
         assert len(c.request("image_inspect", name="l39")["layers"]) == 40
         with c.sandbox(image="l39") as sb:
             r = sb.exec(["sh", "-c", "cat /f1 /f16 /f39 /top"])
@@ -638,12 +644,7 @@ def test_an_image_of_more_layers_than_an_overlay_mounts_is_a_limit(daemon_factor
     d = daemon_factory()
     c = d.client()
     try:
-        c.build_image(busybox_rootfs, "l0")
-        for n in range(1, 300):
-            layer = tmp_path / f"l{n}"
-            layer.mkdir()
-            (layer / f"f{n}").write_text(f"{n}\n")
-            c.build_image(str(layer), f"l{n}", parent=f"l{n - 1}")
+        _layer_chain(c, busybox_rootfs, tmp_path, 300)
         with pytest.raises(LimitExceeded) as err:
             c.create(image="l299")
         assert "300 layers" in err.value.message and "fewer layers" in err.value.message

@@ -445,10 +445,7 @@ def test_daemon_swapfile_in_info_and_gone_after_shutdown(daemon_factory, tmp_pat
         assert path not in active_swaps()
         assert not (tmp_path / "swapfile").exists()
     finally:
-        if path in active_swaps():
-            from dsecd import native
-
-            native.swapoff(path)
+        _swap_off(path)
 
 
 def test_swap_left_on_for_paused_sandboxes_goes_once_its_backend_is_disabled(daemon_factory, busybox_rootfs,
@@ -459,7 +456,6 @@ def test_swap_left_on_for_paused_sandboxes_goes_once_its_backend_is_disabled(dae
     (the file on disk, the device in RAM) till the host rebooted."""
     import signal
 
-    from dsecd import native
     from dsecd.mem import zram
 
     path = str(tmp_path / "swapfile")
@@ -489,8 +485,7 @@ def test_swap_left_on_for_paused_sandboxes_goes_once_its_backend_is_disabled(dae
         assert not Path("/sys/block", Path(dev).name).exists()
         assert not (d.state / "zram.json").exists()
     finally:
-        if path in active_swaps():
-            native.swapoff(path)
+        _swap_off(path)
         if dev is not None and Path("/sys/block", Path(dev).name).exists():
             z = zram.ZramSwap(zram.ZramConfig())
             if z.adopt(int(Path(dev).name.removeprefix("zram"))):
@@ -505,8 +500,6 @@ def test_a_restart_leaves_swap_on_for_running_sandboxes_past_their_limit(daemon_
     OOM killer took its init and the sandbox died of a daemon restart. Swap
     stays on while any sandbox lives; the next daemon adopts it."""
     import signal
-
-    from dsecd import native
 
     path = str(tmp_path / "swapfile")
     d = daemon_factory(_swapfile_config(tmp_path, "256M"))
@@ -537,8 +530,7 @@ def test_a_restart_leaves_swap_on_for_running_sandboxes_past_their_limit(daemon_
         d.stop(signal.SIGTERM)        # none left: swapoff and delete
         assert path not in active_swaps() and not (tmp_path / "swapfile").exists()
     finally:
-        if path in active_swaps():
-            native.swapoff(path)
+        _swap_off(path)
 
 
 HOLD_PAST_THE_LIMIT = """
@@ -588,10 +580,15 @@ def test_a_resume_prefetches_no_more_than_the_memory_limit_holds(daemon_factory,
         c.close()
     finally:
         d.stop()
-        if path in active_swaps():
-            from dsecd import native
+        _swap_off(path)
 
-            native.swapoff(path)
+
+def _swap_off(path: str) -> None:
+    """Swap off `path` where a test's daemon left it on (a test that failed)."""
+    if path in active_swaps():
+        from dsecd import native
+
+        native.swapoff(path)
 
 
 def _frozen(sb) -> bool:
@@ -797,7 +794,4 @@ def test_an_exec_sent_while_a_pause_reclaims_waits_for_it_then_resumes(daemon_fa
         c.close()
     finally:
         d.stop()
-        if path in active_swaps():
-            from dsecd import native
-
-            native.swapoff(path)
+        _swap_off(path)

@@ -135,25 +135,36 @@ def test_the_relay_finding_no_daemon_says_what_to_check(tmp_path, capsys):
     assert "is the daemon running on this host?" in err and "DSEC_REMOTE_SOCKET" in err
 
 
-def test_the_relay_starts_without_the_clis_imports(tmp_path):
-    """`dsec rpc --stdio` runs once per ssh:// connection: it relays bytes,
-    and importing the client and the protocol's types for it (~0.15 s)
-    delayed every remote connect."""
+@contextlib.contextmanager
+def _one_connection_daemon(path: str, serve):
+    """A unix socket at `path` whose first connection `serve(conn)` answers
+    in a thread (and closes), for the relay to reach as its daemon."""
     import socket
     import threading
 
-    path = str(tmp_path / "d.sock")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(1)
 
-    def daemon_that_greets() -> None:
+    def one() -> None:
         conn, _ = server.accept()
-        conn.sendall(b"hello")
-        conn.close()
+        with conn:
+            serve(conn)
 
-    t = threading.Thread(target=daemon_that_greets)
+    t = threading.Thread(target=one)
     t.start()
+    try:
+        yield
+    finally:
+        t.join()
+        server.close()
+
+
+def test_the_relay_starts_without_the_clis_imports(tmp_path):
+    """`dsec rpc --stdio` runs once per ssh:// connection: it relays bytes,
+    and importing the client and the protocol's types for it (~0.15 s)
+    delayed every remote connect."""
+    path = str(tmp_path / "d.sock")
     # As the console script runs it (dsecd/cliboot.py), then which modules it had loaded.
     script = textwrap.dedent(f"""
         import atexit, sys
@@ -163,11 +174,8 @@ def test_the_relay_starts_without_the_clis_imports(tmp_path):
         from dsecd.cliboot import main
         main()
         """)
-    try:
+    with _one_connection_daemon(path, lambda conn: conn.sendall(b"hello")):
         r = subprocess.run([sys.executable, "-c", script], input=b"", capture_output=True, timeout=30)
-    finally:
-        t.join()
-        server.close()
     assert (r.returncode, r.stdout, r.stderr) == (0, b"hello", b"[]"), r
 
 
@@ -176,27 +184,11 @@ def test_the_relay_ends_as_the_daemon_does_when_it_drops_bytes_unread(tmp_path):
     socket: the relay died with "dsec: [Errno 104] Connection reset by
     peer" (exit 1), which the client printed as the remote dsec failing.
     Its end is the daemon's: the relay ends as at the daemon's close."""
-    import socket
-    import threading
-
     path = str(tmp_path / "d.sock")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-
-    def daemon_that_dies() -> None:
-        conn, _ = server.accept()
-        time.sleep(0.5)              # the relay's input lands in our receive buffer, unread
-        conn.close()
-
-    t = threading.Thread(target=daemon_that_dies)
-    t.start()
-    try:
+    # The relay's input lands in our receive buffer, unread, before the close.
+    with _one_connection_daemon(path, lambda conn: time.sleep(0.5)):
         r = subprocess.run([sys.executable, "-m", "dsecd.cli", "--socket", path, "rpc", "--stdio"],
                            input=b"x" * 4096, capture_output=True, timeout=30)
-    finally:
-        t.join()
-        server.close()
     assert (r.returncode, r.stderr) == (0, b""), r
 
 
