@@ -50,6 +50,16 @@ def size_text(n: int) -> str:
     return f"{n:.1f}T"
 
 
+def size_texts(*sizes: int) -> list[str]:
+    """size_text of each size; where two different sizes would read the same
+    (a bound and what went past it by less than the rounding), each with
+    its bytes too, so that a refusal never reads "23.5G, more than 23.5G"."""
+    texts = [size_text(n) for n in sizes]
+    if len(set(texts)) < len(set(sizes)):
+        texts = [f"{t} ({n} bytes)" for t, n in zip(texts, sizes, strict=True)]
+    return texts
+
+
 def _load_defaults() -> dict:
     text = resources.files("dsecd").joinpath("default.toml").read_text()
     return tomllib.loads(text)

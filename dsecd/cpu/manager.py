@@ -15,7 +15,7 @@ import time
 import psutil
 
 from .. import cgroup
-from ..config import ConfigError, size_text
+from ..config import ConfigError, size_text, size_texts
 from ..errors import BadRequest, Busy
 from . import admission, qos, sampler
 
@@ -83,7 +83,8 @@ class CpuHost:
             if why["resource"] == "cpu":
                 asking, most = f"{why['asking']:g} CPUs", f"{why['max']:g}"
             else:
-                asking, most = f"{size_text(why['asking'])} of memory", size_text(why["max"])
+                asking, most = size_texts(why["asking"], why["max"])
+                asking += " of memory"
             raise BadRequest(f"asks for {asking}, more than this host can ever give a sandbox ({most}); "
                              "ask for less, or place it on a larger host", why)
 

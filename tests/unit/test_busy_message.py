@@ -63,3 +63,28 @@ def test_a_sandbox_too_big_for_the_host_says_its_memory_in_gigabytes():
         CpuHost.check_possible(host, 1.0, 100 * GiB, None)
     assert info.value.message.startswith("asks for 100.0G of memory, more than this host can ever give a "
                                          "sandbox ("), info.value.message
+
+
+def test_a_sandbox_just_past_the_host_says_sizes_that_read_apart():
+    """`dsec info` shows a host's memory as 23.5G; `--memory 23.5G` may be a
+    little more than the bytes it has. Both rounded to 23.5G, the refusal
+    read "asks for 23.5G, more than ... (23.5G)": the bytes say the difference."""
+    from dsecd.cpu import qos
+
+    mem_total = 25_231_130_624                      # 23.498G: shown as 23.5G
+    host = _host(2, mem_total, mem_ratio=1.0)
+    host.plan = lambda qos_name: SimpleNamespace(qos=qos.BE)
+    asking = int(23.5 * GiB)
+    with pytest.raises(BadRequest) as info:
+        CpuHost.check_possible(host, 1.0, asking, None)
+    assert info.value.message.startswith(
+        f"asks for 23.5G ({asking} bytes) of memory, more than this host can ever give a sandbox "
+        f"(23.5G ({mem_total} bytes))"), info.value.message
+
+
+def test_sizes_that_read_alike_get_their_bytes_and_others_do_not():
+    from dsecd.config import size_texts
+
+    assert size_texts(100 * GiB, 24 * GiB) == ["100.0G", "24.0G"]
+    assert size_texts(GiB, GiB) == ["1.0G", "1.0G"]             # the same size: read alike, rightly
+    assert size_texts(GiB + 1, GiB) == [f"1.0G ({GiB + 1} bytes)", f"1.0G ({GiB} bytes)"]
