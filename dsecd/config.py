@@ -44,7 +44,8 @@ def size_text(n: int) -> str:
     """Bytes as a person reads them in a message: 512B, 1.1M, 23.0G (the
     units parse_size takes back, as `dsec ps` shows sizes)."""
     for unit in ("B", "K", "M", "G"):
-        if n < 1024:
+        # Below 1024 as it is printed: 1048575 bytes are 1.0M, not 1024.0K.
+        if (n if unit == "B" else round(n, 1)) < 1024:
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1024
     return f"{n:.1f}T"

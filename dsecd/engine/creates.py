@@ -54,7 +54,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from .. import cgroup, imageconfig, protocol, userns
 from ..admission import CreateQueue
 from ..backends.microvm.backend import upper_cap, upper_inodes
-from ..config import ConfigError, parse_duration, parse_size, size_text
+from ..config import ConfigError, parse_duration, parse_size, size_texts
 from ..cpu import qos
 from ..cpu.manager import CpuHost
 from ..errors import (
@@ -833,7 +833,7 @@ class CreateService:
             raise BadRequest(f"disk: {err}") from err
         if not 1 << 20 <= size <= 1 << 50:
             # In the units parse_size takes: it has no P.
-            raise BadRequest(f"disk must be between 1M and 1024T, got {size_text(size)}")
+            raise BadRequest(f"disk must be between 1M and 1024T, got {size_texts(size, 1 << 20, 1 << 50)[0]}")
         return size
 
     def _vm_disk_for(self, req, memory: int) -> int:
