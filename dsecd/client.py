@@ -127,19 +127,21 @@ def _who_may_connect(path: str) -> str:
 
 
 def command_argv(command) -> list[str | bytes]:
-    """A command as the daemon's argv: a list (or tuple) of strings as it is,
-    a string run by /bin/sh -c (as `docker exec SB sh -c '...'` would). An
-    argument may be bytes (a file name that is not UTF-8, as os.listdir(b".")
-    gives it), or the str os.fsdecode makes of them: both reach execve as
-    those bytes."""
+    """A command as the daemon's argv: a list, tuple or other sequence of
+    strings (Command) as it is, a string run by /bin/sh -c (as `docker exec
+    SB sh -c '...'` would). An argument may be bytes (a file name that is
+    not UTF-8, as os.listdir(b".") gives it), or the str os.fsdecode makes
+    of them: both reach execve as those bytes."""
     if isinstance(command, str):
         return ["/bin/sh", "-c", command]
-    if isinstance(command, (list, tuple)) and all(isinstance(a, (str, bytes)) for a in command):
+    # A sequence of arguments, not one of bytes' ints (b"ls" is no command).
+    words = isinstance(command, Sequence) and not isinstance(command, (bytes, bytearray, memoryview))
+    if words and all(isinstance(a, (str, bytes)) for a in command):
         return list(command)
     raise TypeError(f"a command must be a list of strings or a shell string (an argument may be bytes), "
                     f"got {type(command).__name__}"
                     + (f" holding {type(next(a for a in command if not isinstance(a, (str, bytes)))).__name__}"
-                       if isinstance(command, (list, tuple)) else ""))
+                       if words else ""))
 
 
 def _read_dockerfile(path: str, default: bool) -> str:

@@ -4,6 +4,7 @@ every Client and Sandbox method taken by SyncClient and SyncSandbox too."""
 
 from __future__ import annotations
 
+import collections
 import os
 
 import pytest
@@ -643,3 +644,16 @@ def test_the_hints_of_an_execs_stdin_take_what_the_call_takes(method):
             assert _admits(hint, stdin), stdin
     finally:
         chunks.aclose().close()
+
+
+@pytest.mark.parametrize("argv", [collections.deque(["ls", "-l"]), collections.UserList(["ls", "-l"])])
+def test_a_command_its_hint_admits_the_call_takes(argv):
+    """The hint (Command) says any sequence of str or bytes; command_argv took
+    only a list or a tuple: a checked call failed when it ran."""
+    import typing
+
+    from dsecd import client
+
+    hint = typing.get_type_hints(client.Sandbox.exec)["argv"]
+    assert _admits(hint, argv)
+    assert command_argv(argv) == ["ls", "-l"]
