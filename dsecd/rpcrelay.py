@@ -5,8 +5,9 @@ on the host, once per connection, so its start is part of every remote
 connect: it imports the standard library only (cliboot.py runs it before
 dsecd/cli.py, whose imports, the client and the protocol's types, took
 ~0.15 s and would relay nothing). It ends as every dsec command does: a
-usage error exits 2, a daemon it cannot reach 1, a ^C 130, a reader of
-its stdout that went away 141, the daemon's close 0.
+usage error exits 2, a daemon it cannot reach 1 (as does stdout or stdin
+failing otherwise), a ^C 130, a reader of its stdout that went away 141,
+the daemon's close 0.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def run(a) -> None:
         status = EXIT_USAGE
     except ConnectionError as err:
         print(f"dsec: {err}", file=sys.stderr)
+        status = 1
+    except OSError as err:          # stdout or stdin failing otherwise (a full disk behind stdout)
+        print(f"dsec rpc: {err.strerror or err}", file=sys.stderr)
         status = 1
     except KeyboardInterrupt:
         print("dsec rpc: interrupted (SIGINT)", file=sys.stderr)
@@ -74,23 +78,23 @@ def relay(path: str) -> int:
                               "DSEC_REMOTE_SOCKET)") from err
 
     def upstream() -> None:
-        fd = sys.stdin.fileno()
         try:
-            while data := os.read(fd, 1 << 16):
+            # fd 0, not sys.stdin: started with it closed, Python's stdin is None.
+            while data := os.read(0, 1 << 16):
                 sock.sendall(data)
         except OSError:
-            pass                 # a broken stdin ends the input like its end does
+            pass                 # a broken or closed stdin ends the input like its end does
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_WR)
 
     threading.Thread(target=upstream, daemon=True).start()
-    out = sys.stdout.fileno()
+    out = 1                          # not sys.stdout: None where fd 1 was closed
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     poller.register(out, 0)          # POLLERR/POLLHUP only: nobody reads our stdout any more
     while True:
         events = dict(poller.poll())
-        if events.get(out, 0) & (select.POLLERR | select.POLLHUP):
+        if events.get(out, 0) & (select.POLLERR | select.POLLHUP | select.POLLNVAL):   # NVAL: closed
             sock.close()             # the daemon sees the hang-up and cancels what runs for us
             return EXIT_BROKEN_PIPE
         if not events.get(sock.fileno()):

@@ -585,3 +585,19 @@ def test_the_bytes_of_a_frame_still_coming_are_a_sign_of_life(tmp_path):
             server.close()
 
     assert asyncio.run(go()) > 0.2
+
+
+@pytest.mark.parametrize("stdin, stdout, status, said", [
+    ("<&-", ">/dev/null", 0, b""),                  # no stdin at all: the input has ended
+    ("</dev/null", ">/dev/full", 1, b"dsec rpc: No space left on device\n"),
+    ("</dev/null", ">&-", 141, b""),                # no stdout: as a reader gone
+])
+def test_the_relay_ends_cleanly_on_stdio_it_cannot_use(tmp_path, stdin, stdout, status, said):
+    """A relay started with stdin closed, or stdout on a full disk or
+    closed, ends with a status and one line at most: it died of a thread's
+    AttributeError (stdin) or an OSError's traceback (stdout)."""
+    path = str(tmp_path / "d.sock")
+    relay = f"{sys.executable} -m dsecd.cli --socket {path} rpc --stdio {stdin} {stdout}"
+    with _one_connection_daemon(path, lambda conn: conn.sendall(b"x" * 100_000)):
+        r = subprocess.run(["bash", "-c", relay], capture_output=True, timeout=30)
+    assert (r.returncode, r.stderr) == (status, said), r
