@@ -2044,7 +2044,8 @@ def check_usage(a: argparse.Namespace) -> None:
                          "drop --rm (--ttl or --idle-ttl bound its life)")
     if a.cmd == "logs":
         a.since_ts = None if a.since is None else parse_since(a.since)
-    if a.cmd == "events" and a.sandbox and a.sandbox_id and a.sandbox != a.sandbox_id:
+    if (a.cmd == "events" and a.sandbox and a.sandbox_id        # an id and a prefix of it name one sandbox
+            and not (a.sandbox.startswith(a.sandbox_id) or a.sandbox_id.startswith(a.sandbox))):
         raise UsageError(f"dsec events: two sandboxes, {a.sandbox_id} and --sandbox {a.sandbox}: "
                          "give one (events of every sandbox: give neither)")
     if getattr(a, "tty", False) and not (sys.stdin is not None and os.isatty(0)):

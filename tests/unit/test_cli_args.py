@@ -1104,5 +1104,6 @@ def test_events_of_two_sandboxes_at_once_is_refused():
     """`dsec events A --sandbox B` followed B alone, saying nothing of A."""
     with pytest.raises(cli.UsageError, match="two sandboxes, a1 and --sandbox b2"):
         cli.check_usage(cli.parse_args(["events", "a1", "--sandbox", "b2"]))
-    for args in (["events", "a1"], ["events", "--sandbox", "b2"], ["events", "a1", "--sandbox", "a1"], ["events"]):
+    for args in (["events", "a1"], ["events", "--sandbox", "b2"], ["events", "a1", "--sandbox", "a1"], ["events"],
+                 ["events", "a1b2c3", "--sandbox", "a1"], ["events", "a1", "--sandbox", "a1b2c3"]):
         cli.check_usage(cli.parse_args(args))
