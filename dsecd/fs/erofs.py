@@ -80,24 +80,27 @@ def build(src: Path, out: Path, exclude: Iterable[str] = (), cancelled: threadin
         raise ErofsError("unsupported", f"{MKFS} is not installed (apt-get install erofs-utils)") from None
     deadline = time.monotonic() + 3600
     with proc:
-        while True:
-            try:
-                stdout, stderr = proc.communicate(timeout=CANCEL_POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                if cancelled is not None and cancelled.is_set():
-                    why = ErofsError("conflict", f"mkfs.erofs {src}: cancelled")
-                elif time.monotonic() > deadline:
-                    why = ErofsError("io", f"mkfs.erofs {src}: still running after an hour; killed")
-                else:
+        try:
+            while True:
+                try:
+                    stdout, stderr = proc.communicate(timeout=CANCEL_POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    if cancelled is not None and cancelled.is_set():
+                        raise ErofsError("conflict", f"mkfs.erofs {src}: cancelled") from None
+                    if time.monotonic() > deadline:
+                        raise ErofsError("io", f"mkfs.erofs {src}: still running after an hour; killed") from None
                     if written is not None:
                         with contextlib.suppress(FileNotFoundError):
                             written(out.stat().st_size)
-                    continue
-                proc.kill()
-                proc.communicate()
-                out.unlink(missing_ok=True)
-                raise why from None
+        except BaseException:
+            # Cancelled, too slow, or `written` failing (its loop gone): a
+            # half-written image is of no use, and waiting for the rest of it
+            # (what leaving `with proc` does) could take minutes.
+            proc.kill()
+            proc.communicate()
+            out.unlink(missing_ok=True)
+            raise
     if proc.returncode != 0:
         msg = (stderr or stdout).strip().splitlines()
         detail = msg[-1] if msg else f"exit {proc.returncode}"

@@ -87,6 +87,23 @@ def test_a_cancel_stops_mkfs_and_removes_its_half_written_layer(tmp_path, monkey
     assert err.value.code == "conflict" and not out.exists()
 
 
+def test_a_failing_progress_report_kills_mkfs_and_removes_its_layer(tmp_path, monkeypatch):
+    """A `written` that raises (its event loop gone) ended build() only once
+    mkfs.erofs had written the whole layer, which was then left behind."""
+    fake = tmp_path / "mkfs.erofs"
+    fake.write_text('#!/bin/sh\necho part > "$5"\nexec sleep 60\n')      # $5: the output file
+    fake.chmod(0o755)
+    monkeypatch.setattr(erofs, "MKFS", str(fake))
+    out = tmp_path / "x.erofs"
+
+    def written(n: int) -> None:
+        raise RuntimeError("Event loop is closed")
+
+    with pytest.raises(RuntimeError):
+        erofs.build(_tree(tmp_path), out, written=written)
+    assert not out.exists()
+
+
 def test_a_long_mkfs_tells_how_much_of_the_layer_it_has_written(tmp_path, monkeypatch):
     """While mkfs.erofs runs, `written` hears the size of the layer so far:
     a snapshot of gigabytes shows how far its pack has come. (The fake
