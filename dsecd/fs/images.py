@@ -590,7 +590,10 @@ class ImageStore:
         (`conflict`): set while the layer is made, it stops mkfs.erofs and
         nothing is stored; set after, the layer made is left to `image gc`."""
         name = self.name_free(name)
-        total = check_apparent_size(upper, exclude, max_bytes)
+        # The walk for the bound gives the progress its total; without a
+        # bound, none is made: the sandbox is frozen meanwhile, and the walk
+        # takes time with the number of files.
+        total = check_apparent_size(upper, exclude, max_bytes) if max_bytes else None
         forget_overlay_uuid(upper)
         with self.pinning() as hold:
             self._hold_existing(hold, base.layers)

@@ -8,13 +8,14 @@ import os
 import shutil
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from dsecd.engine.images import check_excludes
 from dsecd.errors import BadRequest
 from dsecd.fs import erofs
-from dsecd.fs.images import check_apparent_size, has_changes
+from dsecd.fs.images import ImageError, check_apparent_size, has_changes
 
 pytestmark = pytest.mark.skipif(shutil.which("mkfs.erofs") is None, reason="needs erofs-utils")
 
@@ -135,3 +136,31 @@ def test_hard_links_count_once_toward_the_size_bound(tmp_path):
     for name in ("a", "b"):
         os.link(top / "model.bin", top / name)
     assert check_apparent_size(top, [], 2000) == 1000
+
+
+@pytest.mark.parametrize("max_bytes, total", [(0, None), (10_000, 1000)])
+def test_a_snapshot_walks_its_tree_for_a_bound_only(tmp_path, max_bytes, total):
+    """The walk that checks images.max_snapshot_bytes also gives the pack's
+    progress its total; with no bound (0) no walk is made for the total
+    alone: the sandbox is frozen meanwhile, for as long as it has files."""
+    import contextlib
+
+    from dsecd.fs.images import ImageStore
+
+    upper = tmp_path / "upper"
+    upper.mkdir()
+    (upper / "f").write_bytes(b"x" * 1000)
+    seen = {}
+
+    def build_layer(upper, total=None, **kw):
+        seen["total"] = total
+        raise ImageError("conflict", "stop here")
+
+    store = object.__new__(ImageStore)
+    store.name_free = lambda name: name
+    store.pinning = lambda: contextlib.nullcontext(lambda digest: None)
+    store._hold_existing = lambda hold, layers: None
+    store.build_layer = build_layer
+    with pytest.raises(ImageError, match="stop here"):
+        store.snapshot(upper, SimpleNamespace(layers=[]), "n", [], max_bytes=max_bytes)
+    assert seen == {"total": total}
