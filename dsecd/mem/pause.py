@@ -310,6 +310,8 @@ _MAPS_LINE = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ (\d+)[ \t]*(
 # pagemap: bit 63 present, bit 62 swapped: the top byte of each little-endian
 # u64 is >= 0x40 exactly when the page is resident or in swap.
 _HELD = bytes(0x31 if b & 0xC0 else 0x30 for b in range(256))
+# ... and < 0x80 exactly when it is not mapped (in swap, or never faulted in).
+_UNMAPPED = bytes(0x30 if b & 0x80 else 0x31 for b in range(256))
 
 
 def mappings(pid: int) -> list[tuple[int, int, str]]:
@@ -356,6 +358,32 @@ def resident_ranges(pid: int) -> list[tuple[int, int]]:
                 except OSError:
                     break
                 flags = raw[7::8].translate(_HELD)
+                for run in re.finditer(rb"1+", flags):
+                    _append_run(out, (first + run.start()) * PAGE, (run.end() - run.start()) * PAGE)
+    finally:
+        os.close(fd)
+    return out
+
+
+def unmapped_ranges(pid: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The pages of `ranges` not mapped in `pid` now (pagemap bit 63 clear):
+    those a prefetch would charge to the group when it faults them in. A
+    process whose pagemap cannot be read keeps its ranges as they are."""
+    try:
+        fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return ranges
+    out: list[tuple[int, int]] = []
+    try:
+        for start, length in ranges:
+            first_page, end_page = start // PAGE, (start + length + PAGE - 1) // PAGE
+            for first in range(first_page, end_page, _PAGEMAP_SLICE):
+                count = min(_PAGEMAP_SLICE, end_page - first)
+                try:
+                    raw = os.pread(fd, count * 8, first * 8)
+                except OSError:
+                    return ranges
+                flags = raw[7::8].translate(_UNMAPPED)
                 for run in re.finditer(rb"1+", flags):
                     _append_run(out, (first + run.start()) * PAGE, (run.end() - run.start()) * PAGE)
     finally:
@@ -649,6 +677,10 @@ def prefetch(working_set: dict[int, list[tuple[int, int]]], mode: str = "populat
     budget = None if group is None else prefetch_room(group)
     for pid, ranges in working_set.items():
         if budget is not None:
+            if sum(n for _, n in ranges) > budget:
+                # Pages still mapped cost no room: leave them out, or they spend
+                # the budget that the swapped-out ones need.
+                ranges = unmapped_ranges(pid, ranges)
             ranges, budget = _within(ranges, budget)
         # process_vm_readv takes a pid, not a pidfd: a pid reused in between would
         # only get its pages faulted in (the bytes read are thrown away in C).

@@ -230,6 +230,38 @@ def test_a_prefetch_brings_back_no_more_than_the_room_its_group_has(monkeypatch)
     assert populated == [[(0x1000, 2 * page)]]
 
 
+def test_a_prefetch_spends_its_room_on_pages_that_are_not_mapped(monkeypatch):
+    """Pages of the working set still mapped cost the group nothing to bring
+    back: with little room, it goes to the pages that are out (in swap)."""
+    import ctypes
+    import mmap
+    import os
+
+    page = mp.native.PAGE_SIZE
+    area = mmap.mmap(-1, 4 * page)
+    try:
+        area[0] = area[page] = 1                     # pages 0 and 1 mapped, 2 and 3 not
+        first = ctypes.c_char.from_buffer(area)
+        start = ctypes.addressof(first)
+        del first                                    # (or the map cannot be closed)
+        populated = []
+        monkeypatch.setattr(mp, "prefetch_room", lambda group: 2 * page + 100)
+        monkeypatch.setattr(mp.native, "process_populate",
+                            lambda pid, ranges: populated.append(ranges) or
+                            mp.native.MadviseResult(sum(n for _, n in ranges), 0, 0))
+        done, _ = mp.prefetch({os.getpid(): [(start, 4 * page)]}, "populate", object())
+        assert populated == [[(start + 2 * page, 2 * page)]]
+        assert done == 2 * page
+        populated.clear()
+        # Room for all of it: the ranges go as recorded, no pagemap read.
+        monkeypatch.setattr(mp, "unmapped_ranges", lambda pid, ranges: [])
+        monkeypatch.setattr(mp, "prefetch_room", lambda group: 4 * page)
+        mp.prefetch({os.getpid(): [(start, 4 * page)]}, "populate", object())
+        assert populated == [[(start, 4 * page)]]
+    finally:
+        area.close()
+
+
 def test_an_op_on_a_vm_being_paused_waits_for_the_pause_then_resumes_it():
     # dsecd/engine/memory.py ensure_running: a VM's pause holds the sandbox's
     # lock while it saves the guest and ends QEMU, its state still "running";
