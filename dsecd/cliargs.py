@@ -246,8 +246,9 @@ def _positive_seconds(text: str) -> float:
 
 
 def _port_and_protocol(text: str) -> tuple[int, str]:
-    """PORT, PORT/tcp or PORT/udp (docker's forms) -> (port, protocol)."""
-    number, sep, proto = text.partition("/")
+    """PORT, PORT/tcp or PORT/udp (docker's forms) -> (port, protocol); spaces
+    around it are dropped, as the daemon drops them."""
+    number, sep, proto = text.strip().partition("/")
     if not number.isdigit() or not 1 <= int(number) <= 65535:
         raise argparse.ArgumentTypeError(f"takes a port of the sandbox (1-65535), as PORT, PORT/tcp or PORT/udp, "
                                          f"got {text!r}")

@@ -280,9 +280,11 @@ def test_port_takes_the_sandbox_port_and_says_so(value, says):
 
 
 @pytest.mark.parametrize("value, want", [("53", 53), ("53/tcp", 53), ("53/TCP", 53), ("53/udp", "53/udp"),
-                                         ("53/UDP", "53/udp")])
+                                         ("53/UDP", "53/udp"),
+                                         (" 53/udp", "53/udp"), ("53/udp ", "53/udp"), (" 53 ", 53)])
 def test_publish_takes_a_tcp_or_udp_port(value, want):
-    """TCP is the default; a UDP port is sent as "PORT/udp" (create's publish)."""
+    """TCP is the default; a UDP port is sent as "PORT/udp" (create's publish).
+    Spaces around it are dropped, as the daemon drops them."""
     from dsecd import cli
 
     assert cli._sandbox_port(value) == want
