@@ -207,11 +207,21 @@ def call_event(call: RawCall, limits: Limits) -> dict:
     raise ValueError(f"syscall {name!r} is not recorded")
 
 
+def executable(pid: int) -> str | None:
+    """The program `pid` runs (/proc/PID/exe: a path in the sandbox's own
+    mount namespace, as the kernel resolves it there), or None if gone."""
+    try:
+        return os.fsdecode(os.readlink(f"/proc/{pid}/exe"))
+    except OSError:
+        return None
+
+
 def _describe(e: dict) -> str:
     result = f" = {e['result']}" if "result" in e else ""
     kind = e["kind"]
     if kind == "exec":
-        return f"exec {e['path']!r} {e['argv']!r}{result}"
+        exe = f" ({e['exe']})" if "exe" in e else ""
+        return f"exec {e['path']!r}{exe} {e['argv']!r}{result}"
     if kind == "open":
         return f"{e['syscall']} {e['path']!r} flags={e['flags']:#o}{result}"
     if kind == "connect":
@@ -375,7 +385,15 @@ class _Tracer:
         event = self.pending.pop(pid, None)
         if event is not None:
             kind = event.pop("kind")
-            self.record(pid, kind, **event, result=syscall_result(regs.rax))
+            result = syscall_result(regs.rax)
+            if kind == "exec" and result == 0:
+                exe = executable(pid)
+                if exe is not None and exe != event["path"]:
+                    # The program that runs, where the path given does not say it:
+                    # /proc/self/exe (busybox's shell runs its applets so), a
+                    # symlink, /dev/fd/N, a relative path or an execveat's fd.
+                    event["exe"] = exe
+            self.record(pid, kind, **event, result=result)
 
     def on_event_stop(self, pid: int, event: int) -> None:
         if event in FORK_EVENTS:

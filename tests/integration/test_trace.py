@@ -84,6 +84,21 @@ def test_records_exec_open_connect_and_forks(tmp_path, server):
     assert json.loads(tr.to_json())["events"] == tr.events
 
 
+def test_an_exec_names_the_program_that_runs_where_its_path_does_not(tmp_path):
+    """Through a symlink (or busybox's /proc/self/exe) the path given is not
+    the program: `exe` says which one ran; an exec by its own path has none."""
+    link = tmp_path / "innocent"
+    link.symlink_to(os.path.realpath(CAT))
+    (tmp_path / "f").write_text("x")
+    tr = trace.trace_command([SH, "-c", f"{link} {tmp_path / 'f'} >/dev/null; {os.path.realpath(CAT)} /dev/null"],
+                             timeout=60)
+    assert tr.exit_code == 0
+    execs = {e["path"]: e for e in _kinds(tr, "exec") if e["result"] == 0}
+    assert execs[str(link)]["exe"] == os.path.realpath(CAT)
+    assert "exe" not in execs[os.path.realpath(CAT)]
+    assert f"exec {str(link)!r} ({os.path.realpath(CAT)})" in tr.to_text()
+
+
 def test_failed_open_and_refused_connect_carry_errno_names(tmp_path):
     refused = socket.socket()
     refused.bind(("127.0.0.1", 0))      # bound, not listening: connect is refused
