@@ -340,6 +340,22 @@ def _append_run(out: list[tuple[int, int]], start: int, length: int) -> None:
         out.append((start, length))
 
 
+def _pagemap_runs(fd: int, first_page: int, end_page: int, table: bytes, out: list[tuple[int, int]]) -> bool:
+    """Append to `out` the runs of pages in [first_page, end_page) whose
+    pagemap entry's top byte `table` maps to "1"; False if pagemap could not
+    be read there. Read in slices: a VMA may be a huge reservation (Go, JVM,
+    sanitizers)."""
+    for first in range(first_page, end_page, _PAGEMAP_SLICE):
+        count = min(_PAGEMAP_SLICE, end_page - first)
+        try:
+            raw = os.pread(fd, count * 8, first * 8)
+        except OSError:
+            return False
+        for run in re.finditer(rb"1+", raw[7::8].translate(table)):
+            _append_run(out, (first + run.start()) * PAGE, (run.end() - run.start()) * PAGE)
+    return True
+
+
 def resident_ranges(pid: int) -> list[tuple[int, int]]:
     """(start, length) runs of pages that are in RAM or in swap, from
     /proc/<pid>/pagemap: the process's working set as the kernel sees it."""
@@ -350,16 +366,7 @@ def resident_ranges(pid: int) -> list[tuple[int, int]]:
         return out
     try:
         for start, end, _name in mappings(pid):
-            # In slices: a VMA may be a huge reservation (Go, JVM, sanitizers).
-            for first in range(start // PAGE, end // PAGE, _PAGEMAP_SLICE):
-                count = min(_PAGEMAP_SLICE, end // PAGE - first)
-                try:
-                    raw = os.pread(fd, count * 8, first * 8)
-                except OSError:
-                    break
-                flags = raw[7::8].translate(_HELD)
-                for run in re.finditer(rb"1+", flags):
-                    _append_run(out, (first + run.start()) * PAGE, (run.end() - run.start()) * PAGE)
+            _pagemap_runs(fd, start // PAGE, end // PAGE, _HELD, out)
     finally:
         os.close(fd)
     return out
@@ -376,16 +383,8 @@ def unmapped_ranges(pid: int, ranges: list[tuple[int, int]]) -> list[tuple[int, 
     out: list[tuple[int, int]] = []
     try:
         for start, length in ranges:
-            first_page, end_page = start // PAGE, (start + length + PAGE - 1) // PAGE
-            for first in range(first_page, end_page, _PAGEMAP_SLICE):
-                count = min(_PAGEMAP_SLICE, end_page - first)
-                try:
-                    raw = os.pread(fd, count * 8, first * 8)
-                except OSError:
-                    return ranges
-                flags = raw[7::8].translate(_UNMAPPED)
-                for run in re.finditer(rb"1+", flags):
-                    _append_run(out, (first + run.start()) * PAGE, (run.end() - run.start()) * PAGE)
+            if not _pagemap_runs(fd, start // PAGE, (start + length + PAGE - 1) // PAGE, _UNMAPPED, out):
+                return ranges
     finally:
         os.close(fd)
     return out
