@@ -41,6 +41,18 @@ NO_SWAP_FS = {"tmpfs", "ramfs", "overlay", "fuse", "squashfs", "erofs", "proc", 
 SWAP_FS_HINT = "put memory.swapfile.path on a local disk filesystem (ext4, xfs)"
 
 
+# Disk a swap file leaves free on its filesystem: the smaller of 1 GiB and
+# 5% of the filesystem (the state dir's journal and images, logs, every
+# other writer on it).
+RESERVE_MAX = 1 << 30
+RESERVE_SHARE = 0.05
+
+
+def free_reserve(fs_bytes: int) -> int:
+    """Bytes a swap file must leave free on a filesystem of `fs_bytes`."""
+    return min(RESERVE_MAX, int(fs_bytes * RESERVE_SHARE))
+
+
 class SwapfileError(OSError):
     pass
 
@@ -135,17 +147,21 @@ class Swapfile:
         os.close(fd)
 
     def _check_free_space(self) -> None:
-        """Refuse a size the filesystem has not got free. posix_fallocate
-        on ext4 allocates block after block until ENOSPC: a file too big
-        would fill the disk that the state dir and every other writer share
-        before failing (and being deleted)."""
+        """Refuse a size the filesystem cannot hold and keep free_reserve()
+        free. posix_fallocate on ext4 allocates block after block until
+        ENOSPC: a file too big would fill the disk that the state dir and
+        every other writer share before failing (and being deleted); one
+        that fits exactly would leave them nothing for as long as it lives."""
         parent = os.path.dirname(self.path)
         st = os.statvfs(parent)
         free = st.f_bavail * st.f_frsize
-        if self.cfg.size_bytes > free:
+        keep = free_reserve(st.f_blocks * st.f_frsize)
+        if self.cfg.size_bytes > free - keep:
             raise SwapfileError(errno.ENOSPC, f"swap file `{self.path}`: memory.swapfile.size is "
-                                f"{self.cfg.size_bytes >> 20} MiB, but `{parent}` has {free >> 20} MiB free; "
-                                "not enough free disk space (nothing was allocated)")
+                                f"{self.cfg.size_bytes >> 20} MiB, but `{parent}` has {free >> 20} MiB free "
+                                f"and {keep >> 20} MiB of it stay free for the state dir and other writers; "
+                                f"not enough free disk space (nothing was allocated): make the size at most "
+                                f"{max(0, free - keep) >> 20} MiB or free space there")
 
     def _fill(self, fd: int, fstype: str) -> None:
         os.fchmod(fd, 0o600)            # whatever the umask

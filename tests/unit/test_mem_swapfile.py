@@ -118,6 +118,41 @@ def test_a_size_past_the_free_disk_space_is_refused_before_any_allocation(tmp_pa
     assert allocated == [] and not path.exists()
 
 
+@pytest.mark.parametrize("fs_gib, reserve_mib", [(100, 1024), (4, 204)])
+def test_a_swap_file_leaves_part_of_its_filesystem_free(tmp_path, mountinfo, monkeypatch, fs_gib, reserve_mib):
+    """A file that fits the free space exactly would leave the state dir and
+    every other writer on that disk nothing: the smaller of 1 GiB and 5% of
+    the filesystem stays free."""
+    real_statvfs = os.statvfs
+    free = 2 << 30
+
+    def statvfs(path):
+        st = real_statvfs(path)
+        return os.statvfs_result((st.f_bsize, 4096, (fs_gib << 30) // 4096, free // 4096, free // 4096,
+                                  *tuple(st)[5:]))
+
+    allocated = []
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: allocated.append(n))
+    path = tmp_path / "swapfile"
+    reserve = sf.free_reserve(fs_gib << 30)
+    assert reserve >> 20 == reserve_mib
+    s = sf.Swapfile(sf.SwapfileConfig(enabled=True, path=str(path), size_bytes=free - reserve + 4096),
+                    mountinfo=mountinfo)
+    with pytest.raises(sf.SwapfileError) as exc:
+        s.setup()
+    assert exc.value.errno == errno.ENOSPC, exc.value
+    assert f"{reserve_mib} MiB of it stay free" in str(exc.value), exc.value
+    assert f"at most {(free - reserve) >> 20} MiB" in str(exc.value), exc.value
+    assert allocated == [] and not path.exists()
+    # One page less: it fits, and the allocation is tried (the fake allocates nothing).
+    s = sf.Swapfile(sf.SwapfileConfig(enabled=True, path=str(path), size_bytes=free - reserve),
+                    mountinfo=mountinfo)
+    with pytest.raises(sf.SwapfileError):
+        s.setup()
+    assert allocated == [free - reserve]
+
+
 def test_adopt_takes_only_a_file_of_ours_that_is_on(tmp_path, mountinfo):
     """What a daemon with the swap file disabled looks at, at start: never
     a file without our label, nor a directory at the path."""
