@@ -28,8 +28,12 @@ def busy_message(why: dict) -> str:
     limits, not what they use), what this one asks, and the bound."""
     res, ratio = why["resource"], why["ratio"]
     if res == "memory":
+        # The room left said too: rounded, the sum of what is asked can read
+        # as the bound itself ("ask for 96.0G ... more than the 96.0G").
+        left = max(0, why["capacity"] - why["requested"])
         said = (f"its sandboxes ask for {size_text(why['requested'])} and this one {size_text(why['asking'])}, more than "
-                f"the {size_text(why['capacity'])} it admits ({ratio:g} x its {size_text(why['mem_total'])} of memory)")
+                f"the {size_text(why['capacity'])} it admits ({ratio:g} x its {size_text(why['mem_total'])} of memory; "
+                f"{size_text(left)} left)")
     elif res == "cpu":
         said = (f"its sandboxes ask for {why['requested']:g} CPUs and this one {why['asking']:g}, more than "
                 f"the {why['capacity']:g} it admits ({ratio:g} x its {why['cpus']} CPUs)")

@@ -26,8 +26,19 @@ def test_a_host_full_of_memory_says_it_in_gigabytes():
         CpuHost.admit(host, admission.Requested(cpu=4.0, memory=92 * GiB, sandboxes=4), 1.0, 23 * GiB, ls=False)
     assert str(info.value.message) == (
         "host at capacity for memory: its sandboxes ask for 92.0G and this one 23.0G, more than the 96.0G "
-        "it admits (4 x its 24.0G of memory); retry later or on another host")
+        "it admits (4 x its 24.0G of memory; 4.0G left); retry later or on another host")
     assert info.value.detail["requested"] == 92 * GiB      # the figures stay in bytes for a program
+
+
+def test_a_host_nearly_full_of_memory_says_the_room_left():
+    """Rounded, what the sandboxes ask for reads as the bound itself: the
+    room left says why 100M does not fit."""
+    host = _host(2, 24 * GiB, mem_ratio=1.0)
+    with pytest.raises(Busy) as info:
+        CpuHost.admit(host, admission.Requested(cpu=4.0, memory=24 * GiB - (50 << 20), sandboxes=90), 0.1,
+                      100 << 20, ls=False)
+    assert "its sandboxes ask for 24.0G and this one 100.0M, more than the 24.0G it admits (1 x its 24.0G of " \
+           "memory; 50.0M left)" in info.value.message, info.value.message
 
 
 def test_a_host_full_of_cpu_says_it_in_cpus():
