@@ -9,7 +9,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-EVENT_KINDS = ("created", "paused", "resumed", "expired", "oom", "died", "destroyed", "denied",
+EVENT_KINDS = ("created", "paused", "reclaimed", "resumed", "expired", "oom", "died", "destroyed", "denied",
                "net_lost")
 
 

@@ -24,6 +24,7 @@ LINES = {
     "created": (logging.INFO, "sandbox created"),
     "destroyed": (logging.INFO, "sandbox destroyed"),
     "paused": (logging.INFO, "sandbox paused"),
+    "reclaimed": (logging.INFO, "paused sandbox's memory reclaimed after its job's pause"),
     "resumed": (logging.INFO, "sandbox resumed"),
     "expired": (logging.INFO, "sandbox expired"),
     "adopted": (logging.INFO, "sandbox re-adopted"),
@@ -56,6 +57,8 @@ def count(kind: str, ev: dict) -> None:
         metrics.DESTROYS.labels(ev.get("reason") or "request").inc()
     elif kind == "paused":
         metrics.PAUSES.inc()
+        metrics.RECLAIMED.inc(ev.get("freed_bytes") or 0)
+    elif kind == "reclaimed":                   # after a job pause, whose event said 0
         metrics.RECLAIMED.inc(ev.get("freed_bytes") or 0)
     elif kind == "resumed":
         metrics.RESUMES.inc()

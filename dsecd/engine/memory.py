@@ -19,7 +19,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .. import metrics, native
+from .. import native
 from ..config import ConfigError
 from ..cpu.sampler import round_robin
 from ..errors import Conflict, DsecError, io_error
@@ -513,7 +513,9 @@ class MemoryService:
             except OSError as err:
                 log.warning("reclaim of paused sandbox %s: %s", s.id, err)
                 return
-            metrics.RECLAIMED.inc(rec.freed)      # the job pause's event said 0: it came after
+            # The job pause's own event said 0: what was freed is said now.
+            self.events.publish("reclaimed", s.id, freed_bytes=rec.freed,
+                                duration_ms=round(rec.reclaim_s * 1000, 3))
             if s.state == "paused":
                 s.pause_record = rec.to_json()
                 try:
@@ -558,7 +560,9 @@ class MemoryService:
                     log.warning("job-paused microVM %s: its state could not be saved (%s); it stays stopped "
                                 "in its QEMU", sb.id, err)
                 return
-            metrics.RECLAIMED.inc(rec.get("freed_bytes") or 0)     # the job pause's event said 0: it came after
+            # The job pause's own event said 0: what the save freed is said now.
+            self.events.publish("reclaimed", sb.id, freed_bytes=rec.get("freed_bytes") or 0,
+                                duration_ms=round((rec.get("save_s", 0.0) + rec.get("stop_s", 0.0)) * 1000, 3))
             sb.pause_record = rec
             try:
                 self._journal_job([sb])

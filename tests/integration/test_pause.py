@@ -328,6 +328,30 @@ def test_a_job_pause_event_has_no_duration_it_did_not_measure(mem):
     sb.destroy()
 
 
+def test_a_job_pause_says_what_its_reclaim_freed_in_an_event_of_its_own(mem):
+    """The reclaim behind a job pause's answer ends with a `reclaimed` event:
+    the bytes the job's `paused` event could not say yet."""
+    import asyncio
+
+    import dsecd
+
+    d, c = mem
+    sb = c.create(image="busybox", labels={"job": "run-24"})
+    sb.exec(["sh", "-c", "head -c 20000000 /dev/urandom > /tmp/data"])     # 20 MB in tmpfs + cache
+    c.job_pause("run-24")
+
+    async def reclaimed():
+        async with dsecd.Client(d.socket) as ac:
+            async for ev in ac.events(sandbox=sb.id, replay=True):
+                if ev["event"] == "reclaimed":
+                    return ev
+
+    ev = asyncio.run(asyncio.wait_for(reclaimed(), 30))
+    assert ev["freed_bytes"] >= 0 and ev["duration_ms"] >= 0, ev
+    c.job_resume("run-24")
+    sb.destroy()
+
+
 def test_an_expired_sandbox_says_why_before_it_is_destroyed(mem):
     d, c = mem
     mine = _events_of(d, lambda: c.create(image="busybox", ttl=1).id)
