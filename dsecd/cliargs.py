@@ -332,7 +332,7 @@ def _create_options(p: argparse.ArgumentParser) -> None:
 # `dsec top --sort`: the orders dsecd/topview.py's SORTS defines (named here
 # so the parser need not import topview, and asyncio with it; a unit test
 # checks they are the same).
-TOP_SORTS = ("cpu", "mem", "throttled", "id", "state", "qos")
+TOP_SORTS = ("cpu", "mem", "swap", "throttled", "id", "state", "qos")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -168,9 +168,9 @@ async def fleet_top(fleet: Fleet, a) -> int:
     print()
     rows = [[_host_col(s["host"]), s["id"], s["qos"], s["state"], f"{s['cpu']:g}", pct(s["cpu_pct"]),
              pct(s["throttled_pct"]), "-" if s["memory"] is None else human_bytes(s["memory"]),
-             human_bytes(s["memory_limit"])]
+             "-" if s.get("swap") is None else human_bytes(s["swap"]), human_bytes(s["memory_limit"])]
             for s in ordered(top, a.sort)]
-    table(rows, ["HOST", "ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "MEM LIMIT"])
+    table(rows, ["HOST", "ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "SWAP", "MEM LIMIT"])
     return status
 
 

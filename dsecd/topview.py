@@ -5,7 +5,7 @@ Snapshot (stdout is not a terminal, --once, or --json): host line and a
 plain table, or the op's JSON, printed once; scripts and pipes read this.
 
 Live (stdout and stdin are terminals): the screen is redrawn every
---interval seconds through rich; keys: c cpu, m memory, t throttled,
+--interval seconds through rich; keys: c cpu, m memory, w swap, t throttled,
 i id, s state, o QoS to sort by, r to reverse the order, q (or ^C) to quit.
 """
 
@@ -22,13 +22,14 @@ import tty
 SORTS = {  # --sort name -> (key, its hotkey, biggest first by default)
     "cpu": (lambda s: s["cpu_pct"] or 0.0, "c", True),
     "mem": (lambda s: s["memory"] or 0, "m", True),
+    "swap": (lambda s: s.get("swap") or 0, "w", True),
     "throttled": (lambda s: s["throttled_pct"] or 0.0, "t", True),
     "id": (lambda s: s["id"], "i", False),
     "state": (lambda s: (s["state"], s["id"]), "s", False),
     "qos": (lambda s: (s["qos"] or "", s["id"]), "o", False),
 }
 HOTKEYS = {hot: name for name, (_, hot, _) in SORTS.items()}
-COLUMN = {"cpu": "CPU%", "mem": "MEM", "throttled": "THROTTLED", "id": "ID", "state": "STATE", "qos": "QOS"}
+COLUMN = {"cpu": "CPU%", "mem": "MEM", "swap": "SWAP", "throttled": "THROTTLED", "id": "ID", "state": "STATE", "qos": "QOS"}
 
 
 def human_bytes(n: int | float) -> str:
@@ -53,7 +54,7 @@ def host_line(top: dict) -> str:
             f"cpu pressure {pct(psi)}")
 
 
-HEADER = ["ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "MEM LIMIT", "BALLOON"]
+HEADER = ["ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "SWAP", "MEM LIMIT", "BALLOON"]
 
 
 def balloon_cell(b: dict | None) -> str:
@@ -74,7 +75,8 @@ def ordered(top: dict, sort: str = "cpu", reverse: bool = False) -> list[dict]:
 
 def rows(top: dict, sort: str = "cpu", reverse: bool = False) -> list[list[str]]:
     return [[s["id"], s["qos"] or "-", s["state"], f"{s['cpu']:g}", pct(s["cpu_pct"]), pct(s["throttled_pct"]),
-             "-" if s["memory"] is None else human_bytes(s["memory"]), human_bytes(s["memory_limit"]),
+             "-" if s["memory"] is None else human_bytes(s["memory"]),
+             "-" if s.get("swap") is None else human_bytes(s["swap"]), human_bytes(s["memory_limit"]),
              balloon_cell(s.get("vm_balloon"))]
             for s in ordered(top, sort, reverse)]
 

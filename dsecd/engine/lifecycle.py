@@ -416,8 +416,13 @@ class LifecycleService:
         # and the CPU figures of its last sample, from before the pause,
         # are not shown.
         paused = {s.id: s.handle.group for s in shown if s.state == "paused" and s.handle is not None}
-        memory = await self.workers.run(pause.charged, paused) if paused else {}
+        # Swap is read here too, for every sandbox shown, once per top: the
+        # sampler's passes (which serve admission and metrics too) do not pay
+        # for a figure only top shows.
+        groups = {s.id: s.handle.group for s in shown if s.handle is not None}
+        memory, swap = await self.workers.run(lambda: (pause.charged(paused), pause.swapped(groups)))
         for row in out["sandboxes"]:
+            row["swap"] = swap.get(row["id"])
             if row["id"] in paused:
                 row.update(cpu_pct=None, throttled_pct=None, throttled_ms=None, memory=memory.get(row["id"]))
         return out

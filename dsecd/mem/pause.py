@@ -235,6 +235,25 @@ def charged(groups: dict[str, cgroup.Group]) -> dict[str, int]:
     return out
 
 
+def swapped(groups: dict[str, cgroup.Group]) -> dict[str, int]:
+    """What each group has in swap now: v2 memory.swap.current, v1
+    memory.memsw.usage_in_bytes less memory.usage_in_bytes (two small
+    reads, not memory.stat's parse). A group whose files cannot be read
+    (gone, or a kernel without swap accounting) is left out."""
+    out = {}
+    for key, group in groups.items():
+        try:
+            version, d = memory_dir(group)
+            if version == "v2":
+                out[key] = int(_read(d / "memory.swap.current"))
+            else:
+                out[key] = max(0, int(_read(d / "memory.memsw.usage_in_bytes"))
+                               - int(_read(d / "memory.usage_in_bytes")))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def charge(group: cgroup.Group) -> tuple[int, int] | None:
     """(the memory limit, what is charged) of the group; None without a limit."""
     version, d = memory_dir(group)

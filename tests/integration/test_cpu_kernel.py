@@ -163,6 +163,7 @@ def test_top_and_info_report_sampled_use(daemon_factory, busybox_rootfs):
         assert row["cpu_pct"] > 20, top
         assert rows[idle.id]["cpu_pct"] < 5 and rows[idle.id]["qos"] == "be"
         assert row["qos"] == "ls" and row["memory"] > 0 and row["memory_limit"] == 64 << 20
+        assert isinstance(row["swap"], int) and row["swap"] >= 0, row      # nothing pushed it out
         assert top["host"]["cpus"] == len(os.sched_getaffinity(0)) and top["host"]["cpu_pct"] > 0
         assert [s["id"] for s in c.top({"t": "idle"})["sandboxes"]] == [idle.id]
         cpu = c.info()["cpu"]
@@ -173,6 +174,7 @@ def test_top_and_info_report_sampled_use(daemon_factory, busybox_rootfs):
         # The CLI: a table, and --json after the subcommand.
         r = d.cli("top")
         assert r.returncode == 0 and busy.id in r.stdout.decode() and "QOS" in r.stdout.decode()
+        assert "SWAP" in r.stdout.decode().splitlines()[1]
         r = d.cli("top", "--json")
         assert r.returncode == 0 and {s["id"] for s in json.loads(r.stdout)["sandboxes"]} == {busy.id, idle.id}
         r = d.cli("info")

@@ -342,3 +342,23 @@ def test_an_op_on_a_container_being_snapshotted_does_not_wait_for_its_lock():
             await asyncio.wait_for(MemoryService.ensure_running(node, sb, "file read"), 1)
 
     asyncio.run(main())
+
+
+def test_swap_of_groups_is_read_from_each_hierarchy_s_files(tmp_path):
+    """v2: memory.swap.current; v1: memsw less usage (memsw counts both). A
+    group without the files (gone, no swap accounting) is left out."""
+    from types import SimpleNamespace
+
+    v1, v2, bare = tmp_path / "v1", tmp_path / "v2", tmp_path / "bare"
+    for d in (v1, v2, bare):
+        d.mkdir()
+    (v1 / "memory.memsw.usage_in_bytes").write_text("30000\n")
+    (v1 / "memory.usage_in_bytes").write_text("10000\n")
+    (v2 / "memory.swap.current").write_text("4096\n")
+    (bare / "memory.usage_in_bytes").write_text("10000\n")
+
+    def group(version, d):
+        return SimpleNamespace(dir_for=lambda ctl: (version, d), rel=str(d))
+
+    got = mp.swapped({"a": group("v1", v1), "b": group("v2", v2), "c": group("v1", bare)})
+    assert got == {"a": 20000, "b": 4096}
