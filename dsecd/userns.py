@@ -7,7 +7,9 @@ uid owning nothing on the host. The slot is part of the sandbox's journal
 record, so a restarted daemon keeps every live sandbox's range and never
 hands it out twice; a slot is free again once its sandbox is destroyed (its
 processes are dead and its files deleted by then, so no host object keeps a
-reused id).
+reused id). Ranges are claimed host-wide too (`HostClaims`): another daemon
+of the host, whatever its userns_base and userns_size, never hands out ids
+a live daemon holds.
 
 Files keep in-sandbox ids on disk (docs/hardening.md "User namespaces"): the
 layers and the upper dir are idmapped mounts through the sandbox's user
@@ -20,7 +22,11 @@ the ids it reports back (`IdMap.to_sandbox`).
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import logging
 import os
+import struct
 from dataclasses import dataclass
 
 from . import native
@@ -28,6 +34,11 @@ from .feature import Feature
 
 ID_MAX = 2**32 - 2          # (u32)-1 is "no id" to the kernel
 OVERFLOW_ID = 65534         # what the kernel shows for an unmapped id (overflowuid)
+# The one file every dsecd daemon of the host claims its sandboxes' host ids
+# in (HostClaims). On /run: a tmpfs, so no claim outlives a reboot either.
+HOST_CLAIMS = "/run/dsecd-userns.lock"
+
+log = logging.getLogger(__name__)
 
 
 class RangesExhausted(Exception):
@@ -57,6 +68,53 @@ class IdMap:
         return cls(int(rec["slot"]), int(rec["uid"]), int(rec["gid"]), int(rec["count"]))
 
 
+class HostClaims:
+    """Host ids claimed host-wide: a POSIX record lock on bytes uid..uid+count-1
+    of one file (HOST_CLAIMS) for each range a sandbox holds. Another
+    daemon's claim on any of those bytes makes the range taken, so two
+    daemons never hand out the same host ids, whatever their userns_base
+    and userns_size. The locks are the daemon process's own: held while it
+    lives, not inherited by the children it forks (the zygote), and gone
+    with it however it ends (kill -9 too), so a claim never outlives its
+    daemon and the next start claims its journaled ranges again.
+
+    A process loses all its record locks on a file when it closes any fd of
+    that file: the file is opened once per process (kept in _FDS) and never
+    closed."""
+
+    _FDS: dict[str, int] = {}
+
+    def __init__(self, path: str = HOST_CLAIMS):
+        self.path = path
+        if path not in self._FDS:
+            self._FDS[path] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.fd = self._FDS[path]
+
+    def claim(self, start: int, count: int) -> int | None:
+        """Claim ids start..start+count-1: None once they are this process's,
+        else the pid of a process holding some of them (0 if it let go
+        meanwhile: they were taken a moment ago, so the range is not handed
+        out either)."""
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, count, start)
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            return self.holder(start, count)
+        return None
+
+    def give_up(self, start: int, count: int) -> None:
+        fcntl.lockf(self.fd, fcntl.LOCK_UN, count, start)
+
+    def holder(self, start: int, count: int) -> int:
+        """The pid of another process holding some of ids start..start+count-1;
+        0 if none does (F_GETLK does not see this process's own claims)."""
+        # struct flock: l_type, l_whence, l_start, l_len, l_pid (and padding).
+        arg = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, start, count, 0)
+        l_type, _, _, _, pid = struct.unpack("hhqqi4x", fcntl.fcntl(self.fd, fcntl.F_GETLK, arg))
+        return 0 if l_type == fcntl.F_UNLCK else pid
+
+
 class RangeAllocator:
     """Slots of `size` ids from `base`; the lowest free slot is handed out.
 
@@ -64,9 +122,12 @@ class RangeAllocator:
     One made under another userns_base or userns_size keeps its ids (its
     namespace cannot change), so it is held as a foreign range, and no
     slot overlapping it is handed out while it lives: ranges stay disjoint
-    across a configuration change."""
+    across a configuration change.
 
-    def __init__(self, base: int, size: int, max_slots: int = 0):
+    With `claims`, every range held is claimed host-wide (HostClaims), and a
+    slot another daemon has claimed ids of is passed over."""
+
+    def __init__(self, base: int, size: int, max_slots: int = 0, claims: HostClaims | None = None):
         if not 0 < size <= 2**32 or base < 1 or base + size > ID_MAX:
             raise ValueError(f"sandbox.userns_base {base} + userns_size {size} is not a valid id range")
         fit = (ID_MAX + 1 - base) // size
@@ -74,6 +135,7 @@ class RangeAllocator:
         self.slots = min(fit, max_slots) if max_slots > 0 else fit
         self.used: set[int] = set()
         self.foreign: list[IdMap] = []      # live ranges of another base or size
+        self.claims = claims
         self._next = 0
 
     def _make(self, slot: int) -> IdMap:
@@ -87,17 +149,38 @@ class RangeAllocator:
                    for f in self.foreign)
 
     def allocate(self) -> IdMap:
+        elsewhere: dict[int, int] = {}      # pid of another daemon -> slots it holds ids of
         if len(self.used) < self.slots:
             for i in range(self.slots):
                 slot = (self._next + i) % self.slots
                 if slot not in self.used and not (self.foreign and self._overlaps_foreign(slot)):
+                    idmap = self._make(slot)
+                    if self.claims is not None and (pid := self.claims.claim(idmap.uid, idmap.count)) is not None:
+                        elsewhere[pid] = elsewhere.get(pid, 0) + 1
+                        continue
                     self.used.add(slot)
                     self._next = (slot + 1) % self.slots   # round robin: a freed range rests before reuse
-                    return self._make(slot)
+                    return idmap
+        held = sum(elsewhere.values())
+        pids = ", ".join(str(p) for p in sorted(elsewhere) if p)
         raise RangesExhausted(f"all {self.slots} user-namespace id ranges of {self.size} ids "
                               f"from {self.base} are in use (sandbox.userns_base/userns_size)"
                               + (f", {len(self.foreign)} of them overlapped by ranges made under an earlier "
-                                 "configuration" if self.foreign else ""))
+                                 "configuration" if self.foreign else "")
+                              + (f", {held} of them held by another daemon" + (f" (pid {pids})" if pids else "")
+                                 + "; give each daemon of the host a userns_base of its own" if held else ""))
+
+    def _claim(self, idmap: IdMap) -> None:
+        """A journaled range claimed host-wide again. Another daemon holding
+        some of its ids took them while this one was down: the sandbox
+        lives on with them either way, so it is said, loudly."""
+        if self.claims is None:
+            return
+        pid = self.claims.claim(idmap.uid, idmap.count)
+        if pid is not None:
+            log.error("host ids %d..%d of a re-adopted sandbox are also held by another daemon%s: their "
+                      "sandboxes share host ids; destroy one of them", idmap.uid, idmap.uid + idmap.count - 1,
+                      f" (pid {pid})" if pid else "")
 
     def reserve(self, idmap: IdMap) -> bool:
         """Mark a journaled range used again (daemon restart). True if it is
@@ -106,6 +189,7 @@ class RangeAllocator:
         is journaled twice."""
         if idmap in self.foreign or (self._make(idmap.slot) == idmap and idmap.slot in self.used):
             raise ValueError(f"id range {idmap.record()} is journaled twice")
+        self._claim(idmap)
         if idmap.slot < self.slots and self._make(idmap.slot) == idmap:
             self.used.add(idmap.slot)
             return True
@@ -117,8 +201,12 @@ class RangeAllocator:
             return
         if idmap in self.foreign:
             self.foreign.remove(idmap)
-        elif self._make(idmap.slot) == idmap:
+        elif self._make(idmap.slot) == idmap and idmap.slot in self.used:
             self.used.discard(idmap.slot)
+        else:
+            return
+        if self.claims is not None:
+            self.claims.give_up(idmap.uid, idmap.count)
 
 
 def create_namespace(idmap: IdMap) -> int:

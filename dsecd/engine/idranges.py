@@ -36,7 +36,14 @@ class IdRanges:
                               f"{idmap.detail}; "
                               "set sandbox.userns = false or move state_dir to ext4, xfs, btrfs or tmpfs")
         try:
-            return cls(userns.RangeAllocator(int(sb_defaults["userns_base"]), int(sb_defaults["userns_size"])))
+            claims = userns.HostClaims()
+        except OSError as err:
+            raise ConfigError(f"sandbox.userns = true, but the host-wide claims file of sandbox ids "
+                              f"{userns.HOST_CLAIMS} cannot be opened: {err.strerror}; every daemon of the host "
+                              "claims its sandboxes' host ids there, so that no two hand out the same") from err
+        try:
+            return cls(userns.RangeAllocator(int(sb_defaults["userns_base"]), int(sb_defaults["userns_size"]),
+                                             claims=claims))
         except ValueError as err:
             raise ConfigError(str(err)) from err
 

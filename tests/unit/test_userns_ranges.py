@@ -87,3 +87,60 @@ def test_file_op_translates_stat_and_list_results(monkeypatch):
     assert (out["uid"], out["gid"]) == (0, 1000)
     assert out["entries"][0] == {"uid": userns.OVERFLOW_ID, "gid": 7}
     assert userns.file_op(None, lambda: {"uid": 7, "gid": 8}) == {"uid": 7, "gid": 8}
+
+
+def _hold_ids(path, start, count):
+    """Another process (as another daemon would) holding host ids start..start+count-1
+    of the host-wide claims file; ended with .kill()."""
+    import subprocess
+    import sys
+
+    code = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
+            "fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, int(sys.argv[3]), int(sys.argv[2])); "
+            "print('held', flush=True); sys.stdin.read()")
+    p = subprocess.Popen([sys.executable, "-c", code, str(path), str(start), str(count)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "held\n"
+    return p
+
+
+def test_ids_another_daemon_holds_are_never_handed_out(tmp_path):
+    """Two daemons of one host with the same userns_base: the second skips
+    the ranges the first holds, and gets them once the first is gone (a
+    kill -9 leaves no claim behind)."""
+    path = tmp_path / "claims"
+    other = _hold_ids(path, 100_000, 2 * 65536)         # slots 0 and 1 of the same base and size
+    try:
+        r = userns.RangeAllocator(100_000, 65536, max_slots=4, claims=userns.HostClaims(str(path)))
+        a, b = r.allocate(), r.allocate()
+        assert (a.slot, b.slot) == (2, 3)
+        with pytest.raises(userns.RangesExhausted, match=rf"2 of them held by another daemon \(pid {other.pid}\)"):
+            r.allocate()
+        r.release(a)
+        assert r.allocate() == a            # slots 0 and 1 are still the other daemon's
+    finally:
+        other.kill()
+        other.wait()
+    r.release(a)
+    r.release(b)
+    assert sorted(r.allocate().slot for _ in range(4)) == [0, 1, 2, 3]
+
+
+def test_a_restart_claims_its_journaled_ranges_again(tmp_path):
+    path = tmp_path / "claims"
+    r = userns.RangeAllocator(100_000, 65536, max_slots=4, claims=userns.HostClaims(str(path)))
+    journaled = [userns.IdMap(1, 100_000 + 65536, 100_000 + 65536, 65536),
+                 userns.IdMap(0, 100_000 - 32768, 100_000 - 32768, 65536)]     # of an earlier base
+    assert r.reserve(journaled[0]) and not r.reserve(journaled[1])
+    import subprocess
+    import sys
+
+    probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+             "[fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, int(a)) for a in sys.argv[2:]]")
+    for m in journaled:
+        ids = (m.uid, m.uid + m.count - 1)
+        out = subprocess.run([sys.executable, "-c", probe, str(path), *map(str, ids)], capture_output=True)
+        assert out.returncode != 0, f"{m} not claimed"
+    r.release(journaled[1])
+    out = subprocess.run([sys.executable, "-c", probe, str(path), str(journaled[1].uid)], capture_output=True)
+    assert out.returncode == 0, out.stderr
