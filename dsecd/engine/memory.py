@@ -60,7 +60,7 @@ class MemoryService:
             raise ConfigError(str(err)) from None
         self.auto_resume = mem["auto_resume"]
         self.zram = zram.ZramSwap(zram_cfg)
-        self.swapfile = swapfile.Swapfile(swapfile_cfg)
+        self.swapfile = swapfile.Swapfile(swapfile_cfg, owner=str(cfg.state_dir))
         self.swap_errors: dict[str, str] = {}
         # Work nobody waits for (reclaim after a job pause, prefetch after a
         # resume) runs on its own small pool: on the request pool, 500

@@ -14,7 +14,10 @@ Only a file dsecd made is ever swapped on, off or deleted: its swap header
 carries the label `dsecd-swap`. A file at the path without that label is
 refused (EEXIST), never overwritten. A file left active by a daemon that
 stopped with paused sandboxes (swapoff would have paged them all back in)
-is adopted by the next setup().
+is adopted by the next setup() of that daemon: the header also names the
+state dir of the daemon that made it, and a file another daemon made (two
+configured with one memory.swapfile.path) is refused (EBUSY), never swapped
+off or deleted, since its sandboxes may hold pages in it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 
 from .. import native
 from ..sysfs import fs_type
-from .zram import active_swaps, read_label, swap_areas, swap_header
+from .zram import active_swaps, owner_said, read_label, read_owner, swap_areas, swap_header
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +86,21 @@ class SwapfileConfig:
 
 
 class Swapfile:
-    def __init__(self, cfg: SwapfileConfig, mountinfo: str = "/proc/self/mountinfo"):
+    def __init__(self, cfg: SwapfileConfig, mountinfo: str = "/proc/self/mountinfo", owner: str = ""):
         self.cfg = cfg
         self.path = cfg.path
         self.mountinfo = mountinfo
+        self.owner = owner        # the daemon's state dir, written in the header of the file it makes
         self.active = False       # swapped on by this object (made or adopted)
+
+    def other_owner(self) -> str | None:
+        """The state dir of another daemon whose file is at the path; None
+        if it is this daemon's, or has no owner written (an older dsecd's)."""
+        try:
+            owner = read_owner(self.path)
+        except OSError:             # a directory, unreadable: not a file of ours either way
+            return None
+        return owner if owner and owner != self.owner else None
 
     # ------------------------------------------------------------ checks
 
@@ -114,6 +127,11 @@ class Swapfile:
             if read_label(self.path) != LABEL:
                 raise SwapfileError(errno.EEXIST, f"swap file `{self.path}`: a file not made by dsecd is "
                                     "there; dsecd does not touch it (remove it or pick another path)")
+            if (other := self.other_owner()) is not None:
+                raise SwapfileError(errno.EBUSY, f"swap file `{self.path}` is the one of the dsecd daemon with "
+                                    f"{owner_said(other)}; two daemons cannot share a swap file (one would "
+                                    "swap off or delete what the other's sandboxes use): give this one a "
+                                    "memory.swapfile.path of its own (\"\" is <state_dir>/swapfile)")
             if self.adopt():                # a previous daemon's, left on for its paused sandboxes
                 log.info("swap file %s: adopted (still on)", self.path)
                 return self.path
@@ -176,7 +194,7 @@ class Swapfile:
         if st.st_blocks * 512 < self.cfg.size_bytes:
             raise SwapfileError(errno.EINVAL, f"swap file `{self.path}`: {st.st_blocks * 512} of "
                                 f"{self.cfg.size_bytes} bytes allocated (holes); {SWAP_FS_HINT}")
-        os.pwrite(fd, swap_header(self.cfg.size_bytes, label=LABEL), 0)
+        os.pwrite(fd, swap_header(self.cfg.size_bytes, label=LABEL, owner=self.owner), 0)
         os.fsync(fd)
 
     def swapon(self) -> None:
@@ -190,15 +208,15 @@ class Swapfile:
             raise
 
     def adopt(self) -> bool:
-        """Take over the file at the path if it is ours and still on (a
-        previous daemon left it on for its paused sandboxes), so that
+        """Take over the file at the path if it is ours and still on (this
+        daemon's previous run left it on for its paused sandboxes), so that
         teardown() takes it down; also with the swap file no longer enabled."""
         if not self.active:
             try:
                 ours = read_label(self.path) == LABEL
             except OSError:             # a directory, unreadable: not a file of ours
                 ours = False
-            self.active = ours and self.path in active_swaps()
+            self.active = ours and self.other_owner() is None and self.path in active_swaps()
         return self.active
 
     # ------------------------------------------------------------ state
@@ -211,8 +229,9 @@ class Swapfile:
 
     def teardown(self) -> None:
         """swapoff (pages every swapped page back in: seconds per GiB) and
-        delete. Safe to repeat; only ever touches a file with our label."""
-        if read_label(self.path) != LABEL:
+        delete. Safe to repeat; only ever touches a file with our label,
+        and not one another daemon made."""
+        if read_label(self.path) != LABEL or self.other_owner() is not None:
             self.active = False
             return
         if self.path in active_swaps():

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 SWAP_MAGIC = b"SWAPSPACE2"
 LABEL = b"dsecd-zram"
+OWNER_PREFIX = b"dsecd state dir "     # then the owner's state dir, in the swap header's bootbits
 MM_STAT_FIELDS = ("orig_data_size", "compr_data_size", "mem_used_total", "mem_limit",
                   "mem_used_max", "same_pages", "pages_compacted", "huge_pages")
 
@@ -64,11 +65,14 @@ class ZramConfig:
                    mem_limit_bytes=parse_size(z["mem_limit"]))
 
 
-def swap_header(size_bytes: int, page_size: int = native.PAGE_SIZE, label: bytes = LABEL) -> bytes:
+def swap_header(size_bytes: int, page_size: int = native.PAGE_SIZE, label: bytes = LABEL,
+                owner: str = "") -> bytes:
     """Page 0 of a v1 swap area, as mkswap(8) writes it (include/linux/swap.h
     union swap_header): version 1, last_page, no bad pages, uuid, a label
     (volume_name, <= 16 bytes: dsecd's own areas are recognised by it), magic
-    at the end."""
+    at the end. `owner`, the state dir of the daemon that made the area, goes
+    in the first 1024 bytes (bootbits, which the kernel never reads): daemons
+    share the label, and each only takes back its own areas."""
     if len(label) > 16:
         raise ValueError(f"a swap label has at most 16 bytes, got {label!r}")
     pages = size_bytes // page_size
@@ -77,6 +81,9 @@ def swap_header(size_bytes: int, page_size: int = native.PAGE_SIZE, label: bytes
     uuid = os.urandom(16)
     info = struct.pack("<III16s16s", 1, pages - 1, 0, uuid, label.ljust(16, b"\0"))
     page = bytearray(page_size)
+    if owner:
+        marker = (OWNER_PREFIX + owner.encode())[:1023]        # NUL-ended
+        page[:len(marker)] = marker
     page[1024:1024 + len(info)] = info
     page[page_size - len(SWAP_MAGIC):] = SWAP_MAGIC
     return bytes(page)
@@ -94,6 +101,31 @@ def read_label(path: str | Path, page_size: int = native.PAGE_SIZE) -> bytes | N
         return None
     # version, last_page, nr_badpages (3 x u32), uuid[16], then volume_name[16].
     return page[1024 + 28:1024 + 44].rstrip(b"\0")
+
+
+def read_owner(path: str | Path, page_size: int = native.PAGE_SIZE) -> str | None:
+    """The state dir of the daemon that made the swap area at `path` (see
+    swap_header); "" for an area without one (made before dsecd wrote it, or
+    not by dsecd), None without a swap header (or file)."""
+    try:
+        with open(path, "rb") as f:
+            page = f.read(page_size)
+    except FileNotFoundError:
+        return None
+    if len(page) < page_size or not page.endswith(SWAP_MAGIC):
+        return None
+    boot = page[:1024].split(b"\0", 1)[0]
+    return boot[len(OWNER_PREFIX):].decode(errors="replace") if boot.startswith(OWNER_PREFIX) else ""
+
+
+def owner_said(state_dir: str) -> str:
+    """The daemon of another state dir, as a message names it: with the pid
+    its lock file holds while that process is there."""
+    try:
+        pid = int(Path(state_dir, "dsecd.lock").read_text())
+    except (OSError, ValueError):
+        return f"state dir {state_dir}"
+    return f"state dir {state_dir} (pid {pid})" if os.path.exists(f"/proc/{pid}") else f"state dir {state_dir}"
 
 
 def swap_areas(proc_swaps: str = "/proc/swaps") -> dict[str, dict[str, int]]:

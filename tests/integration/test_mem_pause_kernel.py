@@ -150,6 +150,22 @@ def test_swapfile_left_off_by_a_previous_daemon_is_made_afresh(swapfile):
     assert not os.path.exists(fresh.path)
 
 
+def test_a_daemon_never_takes_the_swap_file_another_daemon_made(tmp_path, swapfile):
+    """Two daemons configured with one memory.swapfile.path: the second
+    refuses it, and neither swaps it off nor deletes it."""
+    first = sf.Swapfile(swapfile.cfg, owner=str(tmp_path / "first-state"))
+    path = first.setup()
+    second = sf.Swapfile(swapfile.cfg, owner=str(tmp_path / "second-state"))
+    with pytest.raises(sf.SwapfileError) as exc:
+        second.setup()
+    assert exc.value.errno == errno.EBUSY and f"state dir {tmp_path / 'first-state'}" in str(exc.value)
+    assert not second.adopt()
+    second.teardown()
+    assert path in active_swaps() and os.path.exists(path)
+    first.teardown()
+    assert path not in active_swaps() and not os.path.exists(path)
+
+
 def test_swapfile_on_tmpfs_is_refused_before_anything_is_made():
     fstype, point = sf.fs_type("/dev/shm")
     if fstype != "tmpfs":

@@ -162,3 +162,33 @@ def test_adopt_takes_only_a_file_of_ours_that_is_on(tmp_path, mountinfo):
     off.write_bytes(swap_header(1 << 20, label=sf.LABEL))        # ours, but not on
     assert not sf.Swapfile(sf.SwapfileConfig(path=str(off)), mountinfo=mountinfo).adopt()
     assert not sf.Swapfile(sf.SwapfileConfig(path=str(tmp_path / "absent")), mountinfo=mountinfo).adopt()
+
+
+def test_the_swap_file_of_another_daemon_is_refused_and_never_touched(tmp_path, mountinfo, monkeypatch):
+    """Two daemons configured with one memory.swapfile.path: the second
+    neither adopts nor takes down the first's file, and says whose it is."""
+    from dsecd import native
+
+    other_state = tmp_path / "other-state"
+    other_state.mkdir()
+    (other_state / "dsecd.lock").write_text(f"{os.getpid()}\n")       # the other daemon, running
+    path = tmp_path / "swapfile"
+    header = swap_header(1 << 20, label=sf.LABEL, owner=str(other_state))
+    path.write_bytes(header)
+    monkeypatch.setattr(sf, "active_swaps", lambda: {str(path)})     # the other daemon swaps on it
+    swapoffs = []
+    monkeypatch.setattr(native, "swapoff", swapoffs.append)
+    s = sf.Swapfile(sf.SwapfileConfig(enabled=True, path=str(path)), mountinfo=mountinfo,
+                    owner=str(tmp_path / "my-state"))
+    with pytest.raises(sf.SwapfileError) as exc:
+        s.setup()
+    assert exc.value.errno == errno.EBUSY
+    assert f"state dir {other_state} (pid {os.getpid()})" in str(exc.value)
+    assert "memory.swapfile.path" in str(exc.value)
+    assert not s.adopt() and not s.active
+    s.teardown()
+    assert swapoffs == [] and path.read_bytes() == header
+    # Its own daemon, restarted, adopts it.
+    mine = sf.Swapfile(sf.SwapfileConfig(enabled=True, path=str(path)), mountinfo=mountinfo, owner=str(other_state))
+    assert mine.setup() == str(path) and mine.active
+    assert sf.read_owner(path) == str(other_state)
