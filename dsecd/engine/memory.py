@@ -35,6 +35,15 @@ log = logging.getLogger(__name__)
 OOM_CHECKS_PER_PASS = 500
 
 
+def boot_id() -> str:
+    """This boot's id (a reboot makes zram devices and their numbers anew)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 class MemoryService:
     """Pause, resume and job pause/resume (`pause`, `resume`, `job_pause`,
     `job_resume`); the resume an exec or file request needs first
@@ -59,7 +68,7 @@ class MemoryService:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         self.auto_resume = mem["auto_resume"]
-        self.zram = zram.ZramSwap(zram_cfg)
+        self.zram = zram.ZramSwap(zram_cfg, owner=str(cfg.state_dir))
         self.swapfile = swapfile.Swapfile(swapfile_cfg, owner=str(cfg.state_dir))
         self.swap_errors: dict[str, str] = {}
         # Work nobody waits for (reclaim after a job pause, prefetch after a
@@ -85,9 +94,12 @@ class MemoryService:
             except OSError as err:
                 self.swap_errors["zram"] = str(err)
                 log.error("zram swap not set up (memory.zram.enabled): %s", err)
-        elif (dev := self._recorded_zram()) is not None and self.zram.adopt(dev):
-            log.warning("zram swap on /dev/zram%d: left on by the previous daemon for its paused sandboxes; "
-                        "memory.zram is not enabled: it is removed at a stop with no sandbox left", dev)
+        elif (rec := self._recorded_zram()) is not None:
+            if self.zram.adopt(rec[0]):
+                log.warning("zram swap on /dev/zram%d: left on by the previous daemon for its paused sandboxes; "
+                            "memory.zram is not enabled: it is removed at a stop with no sandbox left", rec[0])
+            else:
+                self._drop_recorded_zram(*rec)
         if self.swapfile.cfg.enabled:
             try:
                 self.swapfile.setup()
@@ -109,23 +121,57 @@ class MemoryService:
 
     def _start_zram(self) -> None:
         """Adopt the device a previous daemon left on for its paused sandboxes
-        (its number in <state_dir>/zram.json), else make one and record it:
-        without the record every restart would leave one more device behind."""
-        dev = self._recorded_zram()
-        if dev is not None and self.zram.adopt(dev):
-            log.info("zram swap on /dev/zram%d: adopted from the previous daemon", dev)
-            return
-        dev = self.zram.setup()
-        write_file_atomic(self.state_dir / "zram.json", json.dumps({"device": dev}).encode(), fsync=False)
+        (its number in <state_dir>/zram.json), else make one, recorded as
+        soon as hot_add hands it out: without the record every restart, and
+        every daemon killed while making it, would leave one more device
+        behind."""
+        rec = self._recorded_zram()
+        if rec is not None:
+            if self.zram.adopt(rec[0]):
+                log.info("zram swap on /dev/zram%d: adopted from the previous daemon", rec[0])
+                return
+            self._drop_recorded_zram(*rec)
+        try:
+            dev = self.zram.setup(on_added=self._record_zram)
+        except BaseException:
+            if self.zram.device is None:        # undone: nothing left to record
+                (self.state_dir / "zram.json").unlink(missing_ok=True)
+            raise
         log.info("zram swap on /dev/zram%d", dev)
 
-    def _recorded_zram(self) -> int | None:
-        """The number of the zram device a previous daemon made (<state_dir>/zram.json)."""
+    def _record_zram(self, dev: int) -> None:
+        # Not fsynced: a kill leaves the page cache, and a reboot no device, behind.
+        write_file_atomic(self.state_dir / "zram.json", json.dumps({"device": dev, "boot_id": boot_id()}).encode(),
+                          fsync=False)
+
+    def _recorded_zram(self) -> tuple[int, bool] | None:
+        """The number of the zram device a previous daemon made (<state_dir>/zram.json),
+        and whether the record is of this boot (an older dsecd's has no boot id);
+        None, and the record dropped, for one of an earlier boot (a reboot removes
+        the devices, and their numbers are handed out afresh)."""
         try:
-            dev = json.loads((self.state_dir / "zram.json").read_text())["device"]
+            rec = json.loads((self.state_dir / "zram.json").read_text())
+            dev = rec["device"]
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        return dev if isinstance(dev, int) else None
+        if rec.get("boot_id", None) not in (None, boot_id()):
+            (self.state_dir / "zram.json").unlink(missing_ok=True)
+            return None
+        return (dev, "boot_id" in rec) if isinstance(dev, int) else None
+
+    def _drop_recorded_zram(self, dev: int, this_boot: bool) -> None:
+        """The recorded device, which could not be adopted: removed if it is
+        this daemon's (left half made by a daemon killed while making it,
+        or swapped off since), and the record dropped either way. Only a
+        record of this boot (written as hot_add answered) is trusted with a
+        removal; an older dsecd's record is dropped, as that dsecd did."""
+        try:
+            if this_boot and self.zram.remove_leftover(dev):
+                log.warning("zram%d: removed; a daemon stopped before it was set up as swap", dev)
+        except OSError as err:
+            log.error("zram%d, left by a daemon stopped while making it, could not be removed (remove it "
+                      "with `echo %d > /sys/class/zram-control/hot_remove` once unused): %s", dev, dev, err)
+        (self.state_dir / "zram.json").unlink(missing_ok=True)
 
     def _scheme(self, sb_id: str) -> damon.SandboxScheme:
         return damon.SandboxScheme(sb_id, f"/{self.cgroup_root}/{sb_id}")

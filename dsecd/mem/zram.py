@@ -10,8 +10,11 @@ mostly compressible anon pages). Off by default (`[memory.zram] enabled`).
     z.teardown()       # swapoff -> reset -> hot_remove; safe to repeat
 
 dsecd only ever touches the device number that `hot_add` handed it (kept in
-`device`, journaled by the node so a restarted daemon can `adopt` or remove
-it): a host's existing /dev/zram0 is never read, reset or swapped on.
+`device`, recorded by the node as soon as hot_add answers, so a restarted
+daemon can `adopt` it or, left half made, `remove_leftover` it): a host's
+existing /dev/zram0 is never read, reset or swapped on. The swap header
+names the state dir of the daemon that made the device: daemons of one
+host each take back only their own.
 """
 
 from __future__ import annotations
@@ -144,10 +147,12 @@ def active_swaps(proc_swaps: str = "/proc/swaps") -> set[str]:
 
 
 class ZramSwap:
-    def __init__(self, cfg: ZramConfig, sys_root: str | Path = "/sys", dev_root: str | Path = "/dev"):
+    def __init__(self, cfg: ZramConfig, sys_root: str | Path = "/sys", dev_root: str | Path = "/dev",
+                 owner: str = ""):
         self.cfg = cfg
         self.sys = Path(sys_root)
         self.dev_root = Path(dev_root)
+        self.owner = owner          # the daemon's state dir, written in the swap header
         self.device: int | None = None
 
     @property
@@ -167,9 +172,12 @@ class ZramSwap:
             return False, f"{self.control}/hot_add missing: zram module not loaded (modprobe zram)"
         return True, "zram hot_add present"
 
-    def setup(self) -> int:
-        """Make the device and swap on it; returns its number. On any failure
-        what was done is undone (swapoff, reset, hot_remove) before raising."""
+    def setup(self, on_added=None) -> int:
+        """Make the device and swap on it; returns its number. `on_added(n)`
+        is called as soon as hot_add has handed out device n, before it is
+        set up: to record it where a daemon killed meanwhile finds it. On any
+        failure what was done is undone (swapoff, reset, hot_remove) before
+        raising."""
         if self.device is not None:
             return self.device
         ok, why = self.available()
@@ -177,6 +185,8 @@ class ZramSwap:
             raise ZramError(errno.ENODEV, why)
         self.device = int(_read(self.control / "hot_add"))
         try:
+            if on_added is not None:
+                on_added(self.device)
             self._set_algorithm()
             if self.cfg.mem_limit_bytes:
                 _write(self.block() / "mem_limit", str(self.cfg.mem_limit_bytes))
@@ -207,7 +217,7 @@ class ZramSwap:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_EXCL)
             try:
-                os.pwrite(fd, swap_header(self.cfg.size_bytes), 0)
+                os.pwrite(fd, swap_header(self.cfg.size_bytes, owner=self.owner), 0)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -232,12 +242,39 @@ class ZramSwap:
     def adopt(self, device: int) -> bool:
         """Take back a device a previous daemon made and left on (its number
         from the state file): only if it is still swap and its header carries
-        dsecd's label, since the number may have been reused by someone else."""
+        dsecd's label and names this daemon (or no daemon: an older dsecd's),
+        since the number may have been reused by someone else."""
         self.device = device
-        if not (self.block().exists() and self.is_swap_on() and read_label(self.dev_path()) == LABEL):
+        if not (self.block().exists() and self.is_swap_on() and read_label(self.dev_path()) == LABEL
+                and read_owner(self.dev_path()) in ("", self.owner)):
             self.device = None
             return False
         return True
+
+    def remove_leftover(self, device: int) -> bool:
+        """Remove a device this daemon recorded in this boot but cannot adopt:
+        one left before it was swap (the daemon was killed while setting it
+        up) or swapped off since. Only if it is not swap and has no swap
+        header, or dsecd's naming this daemon; never device 0 (a host's own
+        is zram0, and hot_add hands out a free number). A device made by
+        someone else since its number was freed is left alone. True if
+        removed; OSError if its reset or hot_remove fails."""
+        if device == 0 or self.device is not None:
+            return False
+        self.device = device
+        try:
+            if not self.block().exists() or self.is_swap_on():
+                return False
+            try:
+                label, owner = read_label(self.dev_path()), read_owner(self.dev_path())
+            except OSError:
+                return False
+            if label is not None and (label != LABEL or owner != self.owner):
+                return False
+            self.teardown()
+            return True
+        finally:
+            self.device = None
 
     # ------------------------------------------------------------ teardown
 

@@ -347,8 +347,8 @@ def _swap_off_left_on(top: Path, state: Path) -> None:
         device = json.loads((state / "zram.json").read_text())["device"]
     except (OSError, ValueError, KeyError, TypeError):
         return
-    zram = ZramSwap(ZramConfig())
-    if zram.adopt(device):          # still ours: swap, with dsecd's label
+    zram = ZramSwap(ZramConfig(), owner=str(state))
+    if zram.adopt(device):          # still ours: swap, with dsecd's label naming this state dir
         try:
             zram.teardown()
         except OSError as err:

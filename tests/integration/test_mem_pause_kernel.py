@@ -100,6 +100,45 @@ def zram():
         assert z.device is None
 
 
+def test_a_zram_device_left_half_made_by_a_killed_daemon_is_removed_at_the_next_start(tmp_path):
+    """A daemon killed -9 right after hot_add (before the device is swap):
+    the next start finds the device by its record and removes it."""
+    import json
+    from types import SimpleNamespace
+
+    from dsecd.config import load_config
+    from dsecd.engine.memory import MemoryService
+
+    if not ZramSwap(ZramConfig()).available()[0]:
+        pytest.skip("no zram module")
+
+    def service(enabled: bool) -> MemoryService:
+        cfg = load_config(overrides={"daemon": {"state_dir": str(tmp_path)},
+                                     "memory": {"zram": {"enabled": enabled, "size": "16M", "algorithm": "lzo"}}})
+        svc = MemoryService(cfg, "dsecd-unit", SimpleNamespace(by_id={}), None, None)
+        svc.mem_pool.shutdown()
+        return svc
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            svc = service(True)
+            svc.zram._set_algorithm = lambda: os._exit(9)      # killed before the device is set up
+            svc.start()
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 9
+    dev = json.loads((tmp_path / "zram.json").read_text())["device"]
+    assert dev != 0 and Path(f"/sys/block/zram{dev}").exists()
+    service(False).start()
+    left = Path(f"/sys/block/zram{dev}").exists()
+    if left:            # the test's own device (nothing removed it, so its number was not handed out again)
+        ZramSwap(ZramConfig()).remove_leftover(dev)
+    assert not left
+    assert not (tmp_path / "zram.json").exists()
+
+
 @pytest.fixture
 def swapfile(tmp_path):
     """A dsecd swap file in the test's tmp dir; always swapped off and deleted."""
