@@ -22,20 +22,18 @@ the ids it reports back (`IdMap.to_sandbox`).
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import logging
 import os
-import struct
 from dataclasses import dataclass
 
 from . import native
 from .feature import Feature
+from .hostclaims import HostClaims
 
 ID_MAX = 2**32 - 2          # (u32)-1 is "no id" to the kernel
 OVERFLOW_ID = 65534         # what the kernel shows for an unmapped id (overflowuid)
 # The one file every dsecd daemon of the host claims its sandboxes' host ids
-# in (HostClaims). On /run: a tmpfs, so no claim outlives a reboot either.
+# in (HostClaims: a record lock on bytes uid..uid+count-1).
 HOST_CLAIMS = "/run/dsecd-userns.lock"
 
 log = logging.getLogger(__name__)
@@ -66,53 +64,6 @@ class IdMap:
         if not rec:
             return None
         return cls(int(rec["slot"]), int(rec["uid"]), int(rec["gid"]), int(rec["count"]))
-
-
-class HostClaims:
-    """Host ids claimed host-wide: a POSIX record lock on bytes uid..uid+count-1
-    of one file (HOST_CLAIMS) for each range a sandbox holds. Another
-    daemon's claim on any of those bytes makes the range taken, so two
-    daemons never hand out the same host ids, whatever their userns_base
-    and userns_size. The locks are the daemon process's own: held while it
-    lives, not inherited by the children it forks (the zygote), and gone
-    with it however it ends (kill -9 too), so a claim never outlives its
-    daemon and the next start claims its journaled ranges again.
-
-    A process loses all its record locks on a file when it closes any fd of
-    that file: the file is opened once per process (kept in _FDS) and never
-    closed."""
-
-    _FDS: dict[str, int] = {}
-
-    def __init__(self, path: str = HOST_CLAIMS):
-        self.path = path
-        if path not in self._FDS:
-            self._FDS[path] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        self.fd = self._FDS[path]
-
-    def claim(self, start: int, count: int) -> int | None:
-        """Claim ids start..start+count-1: None once they are this process's,
-        else the pid of a process holding some of them (0 if it let go
-        meanwhile: they were taken a moment ago, so the range is not handed
-        out either)."""
-        try:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, count, start)
-        except OSError as err:
-            if err.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            return self.holder(start, count)
-        return None
-
-    def give_up(self, start: int, count: int) -> None:
-        fcntl.lockf(self.fd, fcntl.LOCK_UN, count, start)
-
-    def holder(self, start: int, count: int) -> int:
-        """The pid of another process holding some of ids start..start+count-1;
-        0 if none does (F_GETLK does not see this process's own claims)."""
-        # struct flock: l_type, l_whence, l_start, l_len, l_pid (and padding).
-        arg = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, start, count, 0)
-        l_type, _, _, _, pid = struct.unpack("hhqqi4x", fcntl.fcntl(self.fd, fcntl.F_GETLK, arg))
-        return 0 if l_type == fcntl.F_UNLCK else pid
 
 
 class RangeAllocator:

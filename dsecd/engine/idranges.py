@@ -36,7 +36,7 @@ class IdRanges:
                               f"{idmap.detail}; "
                               "set sandbox.userns = false or move state_dir to ext4, xfs, btrfs or tmpfs")
         try:
-            claims = userns.HostClaims()
+            claims = userns.HostClaims(userns.HOST_CLAIMS)
         except OSError as err:
             raise ConfigError(f"sandbox.userns = true, but the host-wide claims file of sandbox ids "
                               f"{userns.HOST_CLAIMS} cannot be opened: {err.strerror}; every daemon of the host "

@@ -16,17 +16,31 @@ not reused at once (a peer's ARP cache may still point at the old sandbox's MAC)
 IPv6, when configured, mirrors IPv4: the sandbox gets the address at the same
 offset in the IPv6 subnet, so one lease covers both families.
 
+Daemons may share a bridge (each with its own state dir; two with the
+default config share dsec0): every address leased is also claimed host-wide
+(`AddressClaims`), and one another daemon on the same bridge holds is
+passed over, so no two sandboxes on one bridge get the same address.
+
 Not thread-safe by itself: callers hold a lock (Network does).
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import Busy
+from ..hostclaims import HostClaims
+
+log = logging.getLogger(__name__)
+
+# The one file every dsecd daemon of the host claims its sandboxes' addresses in.
+HOST_CLAIMS = "/run/dsecd-net.lock"
 
 V4Net = ipaddress.IPv4Network
 V6Net = ipaddress.IPv6Network
@@ -46,8 +60,30 @@ class Lease:
                 "gateway6": str(self.gateway6) if self.gateway6 else None}
 
 
+class AddressClaims:
+    """The IPv4 addresses leased on one bridge, claimed host-wide: byte
+    `base + address` of HOST_CLAIMS (HostClaims), where `base` is 2^32 times
+    31 bits of a hash of the bridge's netns (its nsfs device and inode) and
+    name. Daemons on one bridge claim the same bytes for the same address;
+    bridges of the same name in other netns, and other bridges, claim
+    others (offsets stay below 2^63, the largest a lock can name)."""
+
+    def __init__(self, ns_path: str | None, bridge: str, path: str = HOST_CLAIMS):
+        st = os.stat(ns_path or "/proc/self/ns/net")
+        digest = hashlib.blake2b(f"{st.st_dev}:{st.st_ino}:{bridge}".encode(), digest_size=4).digest()
+        self.base = (int.from_bytes(digest, "big") >> 1) << 32
+        self.claims = HostClaims(path)
+
+    def claim(self, a: int) -> int | None:
+        """None once address `a` is this daemon's; else the pid of a daemon holding it (0: let go meanwhile)."""
+        return self.claims.claim(self.base + a, 1)
+
+    def give_up(self, a: int) -> None:
+        self.claims.give_up(self.base + a, 1)
+
+
 class Ipam:
-    def __init__(self, subnet: str, pool: str = "", subnet6: str = ""):
+    def __init__(self, subnet: str, pool: str = "", subnet6: str = "", claims: AddressClaims | None = None):
         self.subnet = V4Net(subnet)
         self.pool = V4Net(pool) if pool else self.subnet
         if not self.pool.subnet_of(self.subnet):
@@ -62,6 +98,7 @@ class Ipam:
         self._leases: dict[str, int] = {}        # owner -> IPv4 address as int
         self._owner_of: dict[int, str] = {}      # the reverse, so nothing here is O(leases)
         self._cursor = 0
+        self.claims = claims
 
     def _set(self, owner: str, a: int) -> Lease:
         self._leases[owner] = a
@@ -81,6 +118,11 @@ class Ipam:
             raise ValueError(f"recorded address {ipv4} of {owner} is leased to {holder} too")
         self.release(owner)
         self._cursor = max(self._cursor, (a - int(self.pool.network_address) + 1) % self.pool.num_addresses)
+        if self.claims is not None and (pid := self.claims.claim(a)) is not None:
+            # Taken by another daemon on the bridge while this one was down:
+            # the sandbox's interface has the address either way.
+            log.error("address %s of %s is also held by another daemon on the bridge%s: two sandboxes "
+                      "there have it; destroy one of them", ipv4, owner, f" (pid {pid})" if pid else "")
         return self._set(owner, a)
 
     @staticmethod
@@ -113,14 +155,22 @@ class Ipam:
         if owner in self._leases:
             return self._lease(owner, self._leases[owner])
         base, n = int(self.pool.network_address), self.pool.num_addresses
+        elsewhere: dict[int, int] = {}      # pid of another daemon on the bridge -> addresses it holds
         for i in range(n):
             off = (self._cursor + i) % n
             a = base + off
             if self._usable(a) and a not in self._owner_of:
+                if self.claims is not None and (pid := self.claims.claim(a)) is not None:
+                    elsewhere[pid] = elsewhere.get(pid, 0) + 1
+                    continue
                 self._cursor = (off + 1) % n
                 return self._set(owner, a)
-        raise Busy(f"no free address in net.ipv4_pool {self.pool} ({len(self._leases)} leased)",
-                   {"pool": str(self.pool), "leased": len(self._leases)})
+        held = sum(elsewhere.values())
+        pids = ", ".join(str(p) for p in sorted(elsewhere) if p)
+        raise Busy(f"no free address in net.ipv4_pool {self.pool} ({len(self._leases)} leased"
+                   + (f", {held} held by another daemon on this bridge" + (f" (pid {pids})" if pids else "")
+                      + "; give each daemon a net.ipv4_pool or net.bridge of its own" if held else "") + ")",
+                   {"pool": str(self.pool), "leased": len(self._leases), "held_elsewhere": held})
 
     def own_ipv6(self, ipv4: ipaddress.IPv4Address) -> ipaddress.IPv6Address:
         """The IPv6 address that mirrors `ipv4` (net.ipv6_subnet set)."""
@@ -135,6 +185,8 @@ class Ipam:
         if a is None:
             return False
         self._owner_of.pop(a, None)
+        if self.claims is not None:
+            self.claims.give_up(a)
         return True
 
     def rekey(self, old: str, new: str) -> Lease:

@@ -47,7 +47,7 @@ from ..fds import close_quietly
 from ..journal import RecordLog
 from ..protocol import check_protocol
 from . import rules as R
-from .ipam import Ipam, Lease
+from .ipam import AddressClaims, Ipam, Lease
 from .nat import HostNat, Ipv6Forgets, NatError, delete_table, forget_address, table_name
 from .plumbing import BridgeSpec, Plumbing, host_ifname, in_netns, netns_path, vm_ifname, vm_mac
 from .policy import Engine
@@ -134,7 +134,10 @@ class Network:
         self.dns_enabled = bool(cfg.get("dns", True))
         netdir = Path(state_dir) / "net"
         self.records = RecordLog(netdir / "records.log", fsync=bool(cfg.get("fsync", False)))
-        self.ipam = Ipam(cfg["ipv4_subnet"], cfg.get("ipv4_pool", ""), cfg.get("ipv6_subnet", ""))
+        # Claimed host-wide: another daemon on the same bridge never gets an address one of ours holds.
+        host_netns = cfg.get("host_netns", "")
+        claims = AddressClaims(netns_path(host_netns) if host_netns else None, cfg["bridge"])
+        self.ipam = Ipam(cfg["ipv4_subnet"], cfg.get("ipv4_pool", ""), cfg.get("ipv6_subnet", ""), claims=claims)
         self._migrate(netdir)
         self._restore_leases()
         # The gateway and the sandboxes' own addresses, in both families.

@@ -82,3 +82,48 @@ def test_corrupt_legacy_file_is_a_clear_error(tmp_path):
     (tmp_path / "l.json").write_text("{not json")
     with pytest.raises(ValueError, match="read IPAM leases"):
         Ipam.read_legacy(tmp_path / "l.json")
+
+
+def _hold(path, offset):
+    """Another process (as another daemon on the bridge would) holding byte
+    `offset` of the host-wide claims file; ended with .kill()."""
+    import subprocess
+    import sys
+
+    code = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
+            "fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, int(sys.argv[2])); "
+            "print('held', flush=True); sys.stdin.read()")
+    p = subprocess.Popen([sys.executable, "-c", code, str(path), str(offset)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "held\n"
+    return p
+
+
+def test_an_address_another_daemon_on_the_bridge_holds_is_never_handed_out(tmp_path):
+    """Two daemons on one bridge (the default dsec0 of two default configs):
+    the second passes over the addresses the first's sandboxes hold."""
+    import ipaddress
+
+    from dsecd.net.ipam import AddressClaims
+
+    path = str(tmp_path / "claims")
+    claims = AddressClaims(None, "dsec0", path)
+    other_claims = AddressClaims(None, "dsec1", path)        # another bridge: another key
+    assert other_claims.base != claims.base
+    first = int(ipaddress.IPv4Address("10.88.0.2"))
+    other = _hold(path, claims.base + first)
+    try:
+        ipam = Ipam("10.88.0.0/29", claims=claims)
+        assert str(ipam.allocate("a").ipv4.ip) == "10.88.0.3"
+        for name in "bcd":
+            ipam.allocate(name)
+        with pytest.raises(Busy, match=rf"1 held by another daemon on this bridge \(pid {other.pid}\)"):
+            ipam.allocate("e")
+        ipam.restore("old", "10.88.0.2/29")           # a sandbox of this daemon's journal: kept, said loudly
+        assert str(ipam.get("old").ipv4.ip) == "10.88.0.2"
+    finally:
+        other.kill()
+        other.wait()
+    ipam.release("old")
+    ipam.release("a")
+    assert str(ipam.allocate("f").ipv4.ip) == "10.88.0.2"
