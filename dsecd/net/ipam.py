@@ -60,18 +60,24 @@ class Lease:
                 "gateway6": str(self.gateway6) if self.gateway6 else None}
 
 
+def bridge_block(ns_path: str | None, bridge: str) -> int:
+    """2^32 times 31 bits of a hash of a bridge's netns (its nsfs device and
+    inode; None: this process's) and name: where the host-wide claims of
+    that bridge begin (daemons on one bridge compute the same)."""
+    st = os.stat(ns_path or "/proc/self/ns/net")
+    digest = hashlib.blake2b(f"{st.st_dev}:{st.st_ino}:{bridge}".encode(), digest_size=4).digest()
+    return (int.from_bytes(digest, "big") >> 1) << 32
+
+
 class AddressClaims:
     """The IPv4 addresses leased on one bridge, claimed host-wide: byte
-    `base + address` of HOST_CLAIMS (HostClaims), where `base` is 2^32 times
-    31 bits of a hash of the bridge's netns (its nsfs device and inode) and
-    name. Daemons on one bridge claim the same bytes for the same address;
+    `base + address` of HOST_CLAIMS (HostClaims), where `base` is the
+    bridge's block (bridge_block). Daemons on one bridge claim the same bytes for the same address;
     bridges of the same name in other netns, and other bridges, claim
     others (offsets stay below 2^63, the largest a lock can name)."""
 
     def __init__(self, ns_path: str | None, bridge: str, path: str = HOST_CLAIMS):
-        st = os.stat(ns_path or "/proc/self/ns/net")
-        digest = hashlib.blake2b(f"{st.st_dev}:{st.st_ino}:{bridge}".encode(), digest_size=4).digest()
-        self.base = (int.from_bytes(digest, "big") >> 1) << 32
+        self.base = bridge_block(ns_path, bridge)
         self.claims = HostClaims(path)
 
     def claim(self, a: int) -> int | None:

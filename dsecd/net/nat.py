@@ -12,7 +12,11 @@ one transaction per change, so a rule set is either fully in or not at all,
 and no `nft` process is spawned. dsecd creates, changes and deletes only its
 table `inet dsecd` (`inet dsecd-<bridge>` when net.bridge is not dsec0, so that
 daemons sharing a netns keep apart); every other table of the host's ruleset
-is left alone.
+is left alone. Daemons sharing a bridge would share its table: it is claimed
+host-wide (a record lock on /run/dsecd-nat.lock, at the bridge's block) by
+the daemon that makes it, for as long as that daemon lives. Another daemon
+on the bridge neither makes it anew (start refuses, EBUSY) nor deletes it
+as a leftover.
 Its chains are base chains with their own hooks: an `accept` here does not
 override a `drop` of another table (an operator's firewall keeps the last word).
 
@@ -44,8 +48,10 @@ import os
 import socket
 import threading
 
+from ..hostclaims import HostClaims
 from . import ctdump
 from .ctdump import NETLINK_NETFILTER
+from .ipam import bridge_block
 from .plumbing import in_netns, netlink_socket
 
 log = logging.getLogger(__name__)
@@ -53,6 +59,18 @@ log = logging.getLogger(__name__)
 FAMILY = "inet"
 TABLE = "dsecd"
 DEFAULT_BRIDGE = "dsec0"
+# Where a daemon claims the table of its bridge (a byte at the bridge's block).
+HOST_CLAIMS = "/run/dsecd-nat.lock"
+
+
+def _claim_table(ns_path: str | None, bridge: str) -> int | None:
+    """Claim the table of `bridge` for this daemon: None once it is, else the
+    pid of the daemon that has it (0: it let go a moment ago)."""
+    return HostClaims(HOST_CLAIMS).claim(bridge_block(ns_path, bridge), 1)
+
+
+def _give_up_table(ns_path: str | None, bridge: str) -> None:
+    HostClaims(HOST_CLAIMS).give_up(bridge_block(ns_path, bridge), 1)
 
 
 def table_name(bridge: str) -> str:
@@ -143,7 +161,8 @@ def probe(ns_path: str) -> None:
 
 def delete_table(ns_path: str | None, bridge: str) -> bool:
     """Delete the table of the daemon whose bridge is `bridge` from the netns,
-    if there is one (a previous daemon's); whether there was."""
+    if there is one (a previous daemon's) and no live daemon has it (another
+    one on the same bridge); whether it was deleted."""
     name = table_name(bridge)
     try:
         nft = _nft(ns_path)
@@ -151,7 +170,12 @@ def delete_table(ns_path: str | None, bridge: str) -> bool:
         if err.errno == errno.ENOSYS:   # no python3-nftables: no daemon here could have made one
             return False
         raise
-    return _delete(nft, name, f"delete table {FAMILY} {name}")
+    if _claim_table(ns_path, bridge) is not None:
+        return False                    # the table of another daemon on the bridge, which runs
+    try:
+        return _delete(nft, name, f"delete table {FAMILY} {name}")
+    finally:
+        _give_up_table(ns_path, bridge)
 
 
 def _delete(nft, table: str, what: str) -> bool:
@@ -397,6 +421,19 @@ class HostNat:
         """(Re)create the table: a table of ours left by a daemon that died is replaced
         whole, in the same transaction (add, delete, add: atomic)."""
         self.nft = _nft(self.ns_path)
+        pid = _claim_table(self.ns_path, self.bridge)
+        if pid is not None:
+            raise NatError(errno.EBUSY, f"nftables table {FAMILY} {self.table} of bridge {self.bridge} in "
+                           f"{self._where()} is another daemon's" + (f" (pid {pid})" if pid else "")
+                           + ": daemons on one bridge cannot each have egress NAT or published ports; give this "
+                           "daemon a net.bridge (and net.ipv4_subnet) of its own")
+        try:
+            self._start()
+        except BaseException:
+            _give_up_table(self.ns_path, self.bridge)
+            raise
+
+    def _start(self) -> None:
         if self.uplink_cfg == "auto":
             self.uplink = default_route_ifname(self.ns_path)
         else:
@@ -455,7 +492,10 @@ class HostNat:
         """Delete the table (and with it every rule dsecd added); nothing else."""
         with self._lock:
             if self._let_go():
-                _delete(self.nft, self.table, f"delete table {FAMILY} {self.table} in {self._where()}")
+                try:
+                    _delete(self.nft, self.table, f"delete table {FAMILY} {self.table} in {self._where()}")
+                finally:
+                    _give_up_table(self.ns_path, self.bridge)
 
     def _let_go(self) -> bool:
         """Under the lock: the table is no longer this daemon's to change

@@ -18,7 +18,7 @@ import pytest
 from test_net_daemon import _toml_net
 from test_net_kit import World, bpf_skip_reason
 
-from dsecd.errors import BadRequest
+from dsecd.errors import BadRequest, DsecError
 
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
 
@@ -758,4 +758,39 @@ def test_tcp_and_udp_ports_of_one_number_are_published_apart(iworld, natd, probe
     assert bad.returncode == 2 and "protocol 'sctp' is not tcp or udp" in bad.stderr.decode(), bad
     with pytest.raises(BadRequest, match="protocol 'sctp' of a published port is not tcp or udp"):
         sb.publish(7000, protocol="sctp")
+    sb.destroy()
+
+
+def test_a_daemon_sharing_the_bridge_leaves_the_table_of_the_one_that_has_it(iworld, natd, daemon_factory,
+                                                                             busybox_rootfs):
+    """A second daemon on the same bridge (an address pool of its own): at its
+    start it neither deletes the first one's table (it has no uplink and no
+    published port) nor, given an uplink, replaces it; the first one's
+    published port and egress NAT go on."""
+    d, c = natd
+    sb = c.create(image="busybox", net="default", publish=[8080], allow=[f"{iworld.inet}:80/tcp"])
+    _serve_http(sb, 8080)
+    host = sb.get_host(8080)
+    cfg = dict(iworld.cfg, ipv4_pool=f"10.{iworld.octet}.8.0/24")
+    for extra in ("", 'uplink = "auto"\n'):
+        other = daemon_factory(_toml_net(cfg).replace("[net]\n", f"[net]\n{extra}"))
+        try:
+            oc = other.client()
+            try:
+                oc.import_image(busybox_rootfs, "busybox")
+                if not extra:
+                    oc.create(image="busybox", net="default").destroy()      # its network is built by then
+                else:
+                    with pytest.raises(DsecError, match=rf"table inet \S+ of bridge {cfg['bridge']} .* is another "
+                                       rf"daemon's \(pid {d.proc.pid}\).*net.bridge"):
+                        oc.create(image="busybox", net="default")
+            finally:
+                oc.close()
+            assert f"dport {host.rsplit(':', 1)[1]} " in ruleset(iworld.br_ns)
+            assert "sandbox-page" in iworld.in_bridge_netns(http_get, host)
+        finally:
+            other.stop(signal.SIGTERM)
+        assert "sandbox-page" in iworld.in_bridge_netns(http_get, host)
+        assert wget(sb, f"http://{iworld.inet}/")[0] == 0
+    sb.unpublish(8080)
     sb.destroy()
