@@ -31,7 +31,7 @@ from pathlib import Path
 
 from .. import native
 from ..sysfs import fs_type
-from .zram import active_swaps, owner_said, read_label, read_owner, swap_areas, swap_header
+from .zram import active_swaps, made_by, owner_said, read_label, read_owner, swap_areas, swap_header
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class Swapfile:
             owner = read_owner(self.path)
         except OSError:             # a directory, unreadable: not a file of ours either way
             return None
-        return owner if owner and owner != self.owner else None
+        return owner if owner and not made_by(owner, self.owner) else None
 
     # ------------------------------------------------------------ checks
 

@@ -85,7 +85,7 @@ def swap_header(size_bytes: int, page_size: int = native.PAGE_SIZE, label: bytes
     info = struct.pack("<III16s16s", 1, pages - 1, 0, uuid, label.ljust(16, b"\0"))
     page = bytearray(page_size)
     if owner:
-        marker = (OWNER_PREFIX + owner.encode())[:1023]        # NUL-ended
+        marker = _owner_mark(owner)
         page[:len(marker)] = marker
     page[1024:1024 + len(info)] = info
     page[page_size - len(SWAP_MAGIC):] = SWAP_MAGIC
@@ -118,7 +118,18 @@ def read_owner(path: str | Path, page_size: int = native.PAGE_SIZE) -> str | Non
     if len(page) < page_size or not page.endswith(SWAP_MAGIC):
         return None
     boot = page[:1024].split(b"\0", 1)[0]
-    return boot[len(OWNER_PREFIX):].decode(errors="replace") if boot.startswith(OWNER_PREFIX) else ""
+    return os.fsdecode(boot[len(OWNER_PREFIX):]) if boot.startswith(OWNER_PREFIX) else ""
+
+
+def _owner_mark(owner: str) -> bytes:
+    """What swap_header writes for `owner`: NUL-ended in the 1024 bytes (a
+    longer state dir is cut short)."""
+    return (OWNER_PREFIX + os.fsencode(owner))[:1023]
+
+
+def made_by(found: str, owner: str) -> bool:
+    """Whether `found` (read_owner's answer) names the daemon of state dir `owner`."""
+    return found == os.fsdecode(_owner_mark(owner)[len(OWNER_PREFIX):])
 
 
 def owner_said(state_dir: str) -> str:
@@ -246,7 +257,7 @@ class ZramSwap:
         since the number may have been reused by someone else."""
         self.device = device
         if not (self.block().exists() and self.is_swap_on() and read_label(self.dev_path()) == LABEL
-                and read_owner(self.dev_path()) in ("", self.owner)):
+                and ((found := read_owner(self.dev_path())) == "" or made_by(found, self.owner))):
             self.device = None
             return False
         return True
@@ -269,7 +280,7 @@ class ZramSwap:
                 label, owner = read_label(self.dev_path()), read_owner(self.dev_path())
             except OSError:
                 return False
-            if label is not None and (label != LABEL or owner != self.owner):
+            if label is not None and (label != LABEL or not made_by(owner or "", self.owner)):
                 return False
             self.teardown()
             return True

@@ -192,3 +192,15 @@ def test_the_swap_file_of_another_daemon_is_refused_and_never_touched(tmp_path, 
     mine = sf.Swapfile(sf.SwapfileConfig(enabled=True, path=str(path)), mountinfo=mountinfo, owner=str(other_state))
     assert mine.setup() == str(path) and mine.active
     assert sf.read_owner(path) == str(other_state)
+
+
+def test_a_daemon_knows_its_own_file_under_a_state_dir_too_long_for_the_header(tmp_path, mountinfo, monkeypatch):
+    """The header holds 1 KiB of the state dir: a longer one is cut short,
+    and still names its daemon."""
+    path = tmp_path / "swapfile"
+    owner = "/var/lib/" + "d" * 2000
+    path.write_bytes(swap_header(1 << 20, label=sf.LABEL, owner=owner))
+    monkeypatch.setattr(sf, "active_swaps", lambda: {str(path)})
+    assert sf.Swapfile(sf.SwapfileConfig(path=str(path)), mountinfo=mountinfo, owner=owner).adopt()
+    other = sf.Swapfile(sf.SwapfileConfig(path=str(path)), mountinfo=mountinfo, owner="/var/lib/e" + owner[10:])
+    assert not other.adopt() and other.other_owner() is not None
