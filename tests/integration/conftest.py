@@ -344,15 +344,20 @@ def _swap_off_left_on(top: Path, state: Path) -> None:
             except OSError as err:
                 print(f"cleanup: swapoff {area}: {err}", file=sys.stderr)
     try:
-        device = json.loads((state / "zram.json").read_text())["device"]
+        rec = json.loads((state / "zram.json").read_text())
+        device = rec["device"]
     except (OSError, ValueError, KeyError, TypeError):
         return
+    from dsecd.engine.memory import boot_id
+
     zram = ZramSwap(ZramConfig(), owner=str(state))
-    if zram.adopt(device):          # still ours: swap, with dsecd's label naming this state dir
-        try:
+    try:
+        if zram.adopt(device):          # still ours: swap, with dsecd's label naming this state dir
             zram.teardown()
-        except OSError as err:
-            print(f"cleanup: zram{device}: {err}", file=sys.stderr)
+        elif rec.get("boot_id") == boot_id():
+            zram.remove_leftover(device)    # a daemon killed while making it: not swap yet
+    except OSError as err:
+        print(f"cleanup: zram{device}: {err}", file=sys.stderr)
 
 
 def _unmount_below(top: Path) -> None:
