@@ -214,13 +214,15 @@ def test_ranges_are_distinct_and_survive_a_restart(daemon_factory, busybox_rootf
 
 
 def test_two_daemons_with_one_userns_base_never_share_host_ids(daemon_factory, busybox_rootfs):
-    """Two daemons of the host configured with the same userns_base: the
-    second passes over the range the first's sandbox holds, also after the
-    first is killed -9 and started again (its sandbox claims it again)."""
-    import random
+    """Two daemons of the host configured with the same userns_base (two
+    slots fit above it): the second passes over the range the first's
+    sandbox holds, also after the first is killed -9 and started again
+    (its sandbox claims it again)."""
     import signal
 
-    base = 1_000_000_000 + USERNS_SIZE * random.randrange(30_000, 40_000)
+    from dsecd.errors import Busy
+
+    base = 2**32 - 1 - 2 * USERNS_SIZE
     first, second = daemon_factory(f"userns_base = {base}\n"), daemon_factory(f"userns_base = {base}\n")
     c1, c2 = first.client(), second.client()
     for c in (c1, c2):
@@ -228,14 +230,16 @@ def test_two_daemons_with_one_userns_base_never_share_host_ids(daemon_factory, b
     a = c1.create(image="busybox")
     b = c2.create(image="busybox")
     assert uid_base(a) == base
-    assert uid_base(b) != base
+    assert uid_base(b) == base + USERNS_SIZE
     c1.close()
     first.stop(signal.SIGKILL)
     first.start()
     c1 = first.client()
-    b.destroy(force=True)           # the second daemon's first slot is free again: not the first's ids
-    b2 = c2.create(image="busybox")
-    assert uid_base(b2) != base
+    b.destroy(force=True)
+    b2 = c2.create(image="busybox")         # round robin comes to the first slot: still the first daemon's
+    assert uid_base(b2) == base + USERNS_SIZE
+    with pytest.raises(Busy, match=rf"1 of them held by another daemon \(pid {first.proc.pid}\)"):
+        c2.create(image="busybox")
     assert uid_base(c1.get(a.id)) == base
     for sb in (c1.get(a.id), b2):
         sb.destroy(force=True)
