@@ -450,7 +450,7 @@ async def cmd_image(c: Client, a) -> int:
         await _warn_if_shadowed(c, a.ref, img["name"])
         return 0
     if a.image_cmd == "ls":
-        listing = await c.request("image_list")
+        listing = await c.image_listing()
         images = listing["images"]
         for bad in listing.get("unreadable", []):
             print(f"dsec image ls: image {bad['name']} cannot be read: {bad['error']} (`dsec image rm "

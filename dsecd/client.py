@@ -1229,7 +1229,25 @@ class Client:
         return await self.request("image_du")
 
     async def list_images(self) -> list[dict]:
-        return (await self.request("image_list"))["images"]
+        return (await self.image_listing())["images"]
+
+    async def image_listing(self) -> dict:
+        """The image_list result: `images`, and `unreadable` (names whose
+        image cannot be read, each `name` and `error`). From a daemon that
+        streams it, in as many frames as it takes, so that any number of
+        images lists (one frame of them all may be past the frame limit).
+        An older daemon (or a client not connected yet, which the request
+        tells so) gets the request of one answer."""
+        if "image.list.stream" not in self.server.get("capabilities", ()):
+            return await self.request("image_list")
+        out: dict[str, list] = {"images": [], "unreadable": []}
+        async with contextlib.aclosing(self.frames("image_list", stream=True)) as frames:
+            async for frame in frames:
+                if "__result__" in frame:
+                    return out
+                out["images"].extend(frame.get("images", ()))
+                out["unreadable"].extend(frame.get("unreadable", ()))
+        raise ConnectionError("image_list: no final frame")
 
     async def inspect_image(self, name: str) -> dict:
         return await self.request("image_inspect", name=name)

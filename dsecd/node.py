@@ -320,10 +320,12 @@ class Node:
                 "capabilities": self.capabilities(), "limits": self.wire_limits()}
 
     def capabilities(self) -> list[str]:
-        # files.temporary: file_write and file_tar_put take `temporary` (an
-        # older daemon refuses a field it does not know).
+        # files.temporary: file_write and file_tar_put take `temporary`;
+        # image.list.stream: image_list takes `stream` (an older daemon
+        # refuses a field it does not know).
         caps = ["exec.stream", "exec.stdin", "files", "files.watch", "files.tar", "files.temporary",
-                "backend.container", "image.dir", "backend.fncall", "proc", "frame.tail", "policy"]
+                "backend.container", "image.dir", "backend.fncall", "proc", "frame.tail", "policy",
+                "image.list.stream"]
         if self.vms.backend is not None:
             caps.append("backend.microvm")
         return caps

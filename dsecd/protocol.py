@@ -316,9 +316,12 @@ class Snapshot:
     exclude: list[str] = field(default_factory=list)
 
 
-@request("image_list")
+@request("image_list", stream=True)
 class ImageList:
-    pass
+    # The images in stream frames, as many as the listing takes: one result
+    # of every image may be past max_frame_bytes (hundreds of images of deep
+    # layer chains). Without it, all in the result (as before).
+    stream: bool = False
 
 
 @request("image_inspect")

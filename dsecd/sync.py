@@ -722,6 +722,9 @@ class SyncClient(_LoopThread):
     def list_images(self) -> list[dict]:
         return self._run(self._client.list_images())
 
+    def image_listing(self) -> dict:
+        return self._run(self._client.image_listing())
+
     def inspect_image(self, name: str) -> dict:
         return self._run(self._client.inspect_image(name))
 

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from .. import cgroup, imageconfig, metrics, native, sysfs
+from .. import cgroup, imageconfig, metrics, native, protocol, sysfs
 from ..config import ConfigError
 from ..errors import BadRequest, Conflict, IOFailure, image_error
 from ..features import Features
@@ -51,6 +51,48 @@ REMOTE_FS = {"nfs", "nfs4", "ceph", "cifs", "smb3", "9p", "glusterfs", "lustre",
 # no read_folio: the mount fails with ENOTBLK). A store there is paged through
 # the pager's FUSE files instead.
 NO_FILE_BACKED_EROFS = {"tmpfs", "ramfs"}
+
+
+# The most bytes of entries one frame of a streamed image_list carries (less
+# when max_frame_bytes is smaller): frames this size keep the other requests
+# on the connection moving between them.
+LIST_FRAME_BYTES = 1 << 20
+# What a frame holds besides its entries: its id, the field names.
+LIST_FRAME_ENVELOPE = 1024
+
+
+def listing_frames(images: list[dict], unreadable: list[dict], max_frame: int) -> list[dict]:
+    """An image_list's images and unreadable names as stream payloads
+    ({"images": [...], "unreadable": [...]}), each of at most
+    min(LIST_FRAME_BYTES, max_frame) bytes of entries, in the listing's
+    order. An image whose entry alone is past a frame (a config of
+    megabytes) cannot be sent: it is listed as unreadable, saying so."""
+    room = min(LIST_FRAME_BYTES, max_frame - LIST_FRAME_ENVELOPE)
+    frames: list[dict] = []
+    batch: dict[str, list[dict]] = {"images": [], "unreadable": []}
+    used = 0
+
+    def add(field: str, entry: dict, size: int) -> None:
+        nonlocal batch, used
+        if used + size > room and (batch["images"] or batch["unreadable"]):
+            frames.append(batch)
+            batch, used = {"images": [], "unreadable": []}, 0
+        batch[field].append(entry)
+        used += size
+
+    for image in images:
+        size = len(protocol.encode_frame(image)) - protocol.HEADER.size
+        if size > room:
+            add("unreadable", {"name": image["name"], "error": f"its listing entry is {size} bytes, more than "
+                               f"one frame holds ({room}; limits.max_frame_bytes): see `dsec image inspect "
+                               f"{image['name']}`"}, 512)
+        else:
+            add("images", image, size)
+    for entry in unreadable:
+        add("unreadable", entry, len(protocol.encode_frame(entry)) - protocol.HEADER.size)
+    if batch["images"] or batch["unreadable"] or not frames:
+        frames.append(batch)
+    return frames
 
 
 def store_fstype(path: Path) -> str:
@@ -195,6 +237,7 @@ class ImageService:
         self.layers = LayerMounts(cfg.state_dir / "layers", source, section["layer_grace_s"])
         self.snapshot_exclude = list(section["snapshot_exclude"])
         self.max_snapshot_bytes = cfg.size("images", "max_snapshot_bytes")
+        self.max_frame = cfg.size("limits", "max_frame_bytes")
         self._sweep_task: asyncio.Task | None = None
         self._pager_stop = threading.Event()
 
@@ -608,8 +651,19 @@ class ImageService:
         return {**image.to_dict(), "pull": stats}
 
     async def list(self, req, ctx) -> dict:
+        """Every image and every name that cannot be read. With `stream`,
+        they come in stream frames (listing_frames) and the result counts
+        them: one answer of hundreds of images of deep layer chains is past
+        max_frame_bytes, and the connection would only carry its error."""
         images, unreadable = await self._images_call(self.images.list)
-        return {"images": [i.to_dict() for i in images], "unreadable": unreadable}
+        entries = [i.to_dict() for i in images]
+        if not req.stream:
+            return {"images": entries, "unreadable": unreadable}
+        frames = await self.workers.run(listing_frames, entries, unreadable, self.max_frame)
+        for frame in frames:
+            await ctx.emit(frame)       # waits while the client has not read the frames before
+        return {"count": sum(len(f["images"]) for f in frames),
+                "unreadable_count": sum(len(f["unreadable"]) for f in frames)}
 
     async def inspect(self, req, ctx) -> dict:
         image = await self._images_call(self.images.get, req.name)

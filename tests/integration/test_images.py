@@ -3,6 +3,7 @@
 import asyncio
 import hashlib
 import io
+import json
 import os
 import signal
 import tarfile
@@ -706,3 +707,29 @@ def test_a_tarball_import_the_daemon_died_in_leaves_no_tree_after_a_restart(daem
     assert any(scratch.iterdir())
     d.start()
     assert list(scratch.iterdir()) == []
+
+
+def test_image_ls_lists_more_images_than_one_frame_holds(daemon_factory, busybox_rootfs, tmp_path):
+    """Each image lists all its layers, so images of deep snapshot chains
+    add up past the frame limit (800 of them past the default 16 MiB; here a
+    30-image chain past a 64 KiB limit): the listing still comes whole, to
+    the SDK and to `dsec image ls` (--json one document), in several frames."""
+    d = daemon_factory('[limits]\nmax_frame_bytes = "64K"\nmax_file_chunk_bytes = "16K"\n')
+    c = d.client()
+    try:
+        _layer_chain(c, busybox_rootfs, tmp_path, 30)
+        (d.state / "store" / "refs" / "broken").write_text("not a ref")     # listed apart, as unreadable
+        wanted = {f"l{n}" for n in range(30)}
+        assert {i["name"] for i in c.list_images()} == wanted
+        assert [u["name"] for u in c.image_listing()["unreadable"]] == ["broken"]
+        listed = d.cli("image", "ls", "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert b"image broken cannot be read" in listed.stderr
+        images = json.loads(listed.stdout)
+        assert {i["name"] for i in images} == wanted
+        assert {len(i["layers"]) for i in images if i["name"] == "l29"} == {30}
+        table = d.cli("image", "ls")
+        assert table.returncode == 0, table.stderr
+        assert {line.split()[0] for line in table.stdout.decode().splitlines()[1:]} == wanted
+    finally:
+        c.close()
