@@ -338,6 +338,12 @@ class _ProgressBar:
             print(file=sys.stderr)
 
 
+def _replaced(img: dict) -> str:
+    """A build's note of the image its name had: the name moved, and that
+    image stays for the sandboxes on it until `image gc`."""
+    return f"; replaced manifest {img['replaced'][:19]} under that name" if img.get("replaced") else ""
+
+
 def _print_image(img: dict, verb: str, note: str = "") -> None:
     layers = ", ".join(layer["digest"][7:19] for layer in img["layers"])
     print(f"{verb} {img['name']}: {len(img['layers'])} layer(s) [{layers}], {_human_bytes(img['bytes'])}, "
@@ -384,7 +390,7 @@ async def cmd_image_dockerfile(c: Client, a) -> int:
         _print_json(img)
         return 0
     cached = sum(1 for s in img["steps"] if s["cached"])
-    _print_image(img, "built")
+    _print_image(img, "built", _replaced(img))
     if view is not None:
         print(f"{len(img['steps'])} steps, {cached} cached, {img['seconds']:.2f}s")
     return 0
@@ -435,7 +441,10 @@ async def cmd_image(c: Client, a) -> int:
             img = await c.build_image(a.path, a.name, getattr(a, "parent", None), bar, **image_config(a))
         finally:
             bar.done()          # ends its status line: an error goes on a line of its own
-        _print_json(img) if a.json else _print_image(img, "built")
+        if a.json:
+            _print_json(img)
+        else:
+            _print_image(img, "built", _replaced(img))
         return 0
     if a.image_cmd == "pull":
         with PullView(pullview.wanted(a.json)) as view:

@@ -515,10 +515,11 @@ class ImageStore:
         (imageconfig.overrides), which is else the archive's own, or the
         parent's for a root file system. `cancelled`, once set, keeps the
         image from being published (`conflict`); the layers made are left to
-        `image gc`."""
+        `image gc`. An image of that name is replaced (the name moves at
+        once, as a Dockerfile build's does): its blobs stay for the
+        sandboxes on it until `image gc`; `replaced` in the image's extra
+        says the manifest the name had (None: none, or the same)."""
         name = self.new_name(name)
-        if self._ref(name).exists():
-            raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)")
         path = Path(src)
         if not path.is_absolute():
             raise ImageError("bad_request", f"build source must be an absolute path, got {src!r}")
@@ -540,7 +541,11 @@ class ImageStore:
             all_layers = (base.layers if base else []) + layers
             if cancelled is not None and cancelled.is_set():
                 raise ImageError("conflict", f"build of {name!r} cancelled: nothing published")
-            return self._commit(name, all_layers, imageconfig.stack(below, config or {}), parent, hold)
+            digest = self.put_manifest(all_layers, imageconfig.normalise(imageconfig.stack(below, config or {})),
+                                       hold)
+            image, before = self.publish(name, digest, parent, replace=True)
+            image.extra["replaced"] = before if before != digest else None
+            return image
 
     def _remove_scratch_leftovers(self) -> None:
         """Remove the trees a killed daemon left unpacking a tarball

@@ -826,6 +826,11 @@ def test_the_cli_prints_the_result_and_fails_with_the_line(daemon, tmp_path):
     assert r.stdout.decode().startswith("built cli-ten: ")          # not a terminal: the result alone
     r = daemon.cli("image", "build", "-f", str(ctx / "Dockerfile"), str(ctx), "--name", "cli-ten", "--json")
     assert r.returncode == 0 and all(s["cached"] for s in json.loads(r.stdout)["steps"])
+    before = json.loads(r.stdout)["manifest"]
+    (ctx / "Changed").write_text((ctx / "Dockerfile").read_text() + "ENV CHANGED=1\n")
+    r = daemon.cli("image", "build", "-f", str(ctx / "Changed"), str(ctx), "--name", "cli-ten")
+    assert r.returncode == 0, r.stderr         # the name moved: said, as an import's is
+    assert f"; replaced manifest {before[:19]} under that name" in r.stdout.decode()
     (ctx / "Bad").write_text("FROM busybox\nRUN echo broken >&2; false\n")
     r = daemon.cli("image", "build", "-f", str(ctx / "Bad"), str(ctx), "--name", "cli-bad")
     assert r.returncode == 1

@@ -5,6 +5,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import signal
 import tarfile
 import threading
@@ -181,10 +182,33 @@ def test_a_half_made_eager_copy_goes_at_the_next_start(daemon_factory, busybox_r
     c.close()
 
 
+def test_an_import_under_a_taken_name_replaces_the_image(images, busybox_rootfs, tmp_path):
+    """As a Dockerfile build and a pull do (and docker build and import):
+    the name moves to the new image at once, a sandbox on the old one keeps
+    it, and gc keeps the old layers while that sandbox lives."""
+    d, c = images
+    for n in (1, 2):
+        shutil.copytree(busybox_rootfs, tmp_path / f"v{n}", symlinks=True)
+        (tmp_path / f"v{n}" / "version").write_text(f"{n}\n")
+    first = c.import_image(str(tmp_path / "v1"), "app")
+    assert first["replaced"] is None
+    with c.sandbox(image="app") as old:
+        again = d.cli("image", "import", str(tmp_path / "v2"), "--name", "app")
+        assert again.returncode == 0, again.stderr
+        second = c.request("image_inspect", name="app")
+        assert second["manifest"] != first["manifest"]
+        assert f"replaced manifest {first['manifest'][:19]}".encode() in again.stdout
+        c.image_gc()
+        assert old.exec(["cat", "/version"]).stdout == b"1\n"
+        with c.sandbox(image="app") as new:
+            assert new.exec(["cat", "/version"]).stdout == b"2\n"
+    on_top = c.build_image(str(tmp_path / "v1"), "app", parent="base")
+    assert on_top["replaced"] == second["manifest"] and len(on_top["layers"]) == 2
+    assert c.build_image(str(tmp_path / "v1"), "app", parent="base")["replaced"] is None    # the same image
+
+
 def test_bad_builds(images, tmp_path):
     d, c = images
-    with pytest.raises(Conflict):
-        c.build_image("/var/cache/dsecd/rootfs-busybox", "base")
     with pytest.raises(NotFound):
         c.build_image(str(tmp_path / "absent"), "x")
     with pytest.raises(BadRequest, match="an image name is"):
@@ -597,8 +621,8 @@ def test_reference_names_for_local_builds(images, busybox_rootfs, tmp_path):
     pool = c.request("pool_set", image="python:3.11", min=0, max=1)
     assert pool["name"].startswith("docker.io/library/python:3.11@")
     assert c.request("pool_set", image="docker.io/library/python:3.11", min=0, max=0)["removed"]
-    with pytest.raises(Conflict):
-        c.build_image(busybox_rootfs, "docker.io/library/python:3.11")
+    again = c.build_image(busybox_rootfs, "docker.io/library/python:3.11")     # the same name: replaced
+    assert again["name"] == py["name"] and again["replaced"] == py["manifest"]
     for name in (img["name"], py["name"], latest["name"]):
         c.request("image_rm", name=name)
     assert not (d.state / "store" / "refs" / "_repos" / "docker.io").exists()     # emptied dirs pruned
