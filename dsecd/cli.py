@@ -2041,6 +2041,19 @@ async def _run(a) -> int:
         raise _EndedBySignal(ended[0]) from None
 
 
+def _absolute_excludes(paths: list[str]) -> None:
+    """`dsec snapshot --exclude` takes absolute paths in the sandbox. The
+    daemon reads a relative one from the sandbox's root (`root/.cache` is
+    /root/.cache, as images.snapshot_exclude writes them), but on a command
+    line `node_modules` reads as from the working directory (/app/node_modules)
+    and would leave out nothing there, without a word: said instead."""
+    for path in paths:
+        if path and not path.startswith("/"):
+            raise UsageError(f"dsec snapshot: --exclude {path!r} is relative; give an absolute path in the "
+                             f"sandbox: /{path.removeprefix('./')} from its root, or the one under its working "
+                             "directory you mean (a relative path is not read from there)")
+
+
 def check_usage(a: argparse.Namespace) -> None:
     """What argparse cannot say, checked before the daemon is asked anything."""
     if a.cmd in ("exec", "trace") and not a.argv:
@@ -2067,6 +2080,8 @@ def check_usage(a: argparse.Namespace) -> None:
     else:
         _kv(getattr(a, "env", None), "--env")
     _kv(getattr(a, "label", None), "--label")
+    if a.cmd == "snapshot":
+        _absolute_excludes(a.exclude or [])
     if a.cmd == "cp":
         _cp_sides(a)
     if a.cmd == "rm":

@@ -532,7 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
     snap.add_argument("sandbox")
     snap.add_argument("--name", required=True, help="name of the new image (a name no image has yet)")
     snap.add_argument("--exclude", action="append", metavar="PATH",
-                      help="leave out this path, a file or a directory: no pattern (repeatable)")
+                      help="leave out this absolute path in the sandbox, a file or a directory: no pattern "
+                      "(repeatable)")
 
     proc = sub.add_parser("proc", help="background processes (dsec exec -d)").add_subparsers(dest="proc_cmd",
                                                                                           required=True)

@@ -2314,7 +2314,10 @@ class Sandbox:
 
     async def snapshot(self, name: str, exclude: list[str] | None = None,
                        progress: Callable[[dict], None] | None = None) -> dict:
-        """pack_diff: this sandbox's changes as a new image `name` over its own image."""
+        """pack_diff: this sandbox's changes as a new image `name` over its own image,
+        leaving out the `exclude` paths: paths in the sandbox, a relative one
+        read from its root (`root/.cache` is /root/.cache), never from a
+        working directory."""
         return await self.client._with_progress("snapshot", {"sandbox": self.id, "name": name,
                                                              "exclude": exclude or []}, progress)
 

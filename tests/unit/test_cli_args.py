@@ -1109,3 +1109,17 @@ def test_events_of_two_sandboxes_at_once_is_refused():
     for args in (["events", "a1"], ["events", "--sandbox", "b2"], ["events", "a1", "--sandbox", "a1"], ["events"],
                  ["events", "a1b2c3", "--sandbox", "a1"], ["events", "a1", "--sandbox", "a1b2c3"]):
         cli.check_usage(cli.parse_args(args))
+
+
+@pytest.mark.parametrize("path", ["node_modules", "./work/a", "root/.cache"])
+def test_a_relative_snapshot_exclude_is_refused_naming_the_absolute_path(path):
+    """The daemon reads a relative exclude from the sandbox's root, where a
+    command line's reader expects the working directory: `node_modules` in a
+    sandbox working in /app would leave nothing out. The CLI asks for the
+    absolute path before the daemon is asked anything."""
+    a = cli.parse_args(["snapshot", "sb1", "--name", "snap", "--exclude", "/root/.cache", "--exclude", path])
+    with pytest.raises(cli.UsageError) as info:
+        cli.check_usage(a)
+    assert f"--exclude {path!r} is relative" in str(info.value)
+    assert f" /{path.removeprefix('./')} from its root" in str(info.value)
+    cli.check_usage(cli.parse_args(["snapshot", "sb1", "--name", "snap", "--exclude", "/root/.cache"]))
