@@ -82,6 +82,7 @@ from .clitext import (
     env_vars,
     event_fields,
     image_config,
+    image_removed,
     job_done,
     job_verb,
 )
@@ -480,8 +481,7 @@ async def cmd_image(c: Client, a) -> int:
         if a.json:
             _print_json(r)
         else:
-            removed = r.get("name") or a.name          # the name the daemon resolved (a pulled docker.io/...)
-            print(f"removed image name {removed} (its layers go at the next `dsec image gc`)")
+            print(image_removed(r, a.name))
             if r.get("damaged"):
                 print(f"dsec image rm: the image could not be read: {r['damaged']}", file=sys.stderr)
         return 0

@@ -188,3 +188,16 @@ async def job_verb(target, a) -> dict:
     if a.job_cmd == "resume":
         return await target.job_resume(a.job)
     return await target.job_rm(a.job, a.force)
+
+
+def image_removed(r: dict, name: str) -> str:
+    """What `dsec image rm` says of its answer `r` (the image removed; `name`:
+    the name given): the layers of an image sandboxes run on stay until they
+    end, so a gc right after frees nothing of it."""
+    removed = r.get("name") or name          # the name the daemon resolved (a pulled docker.io/...)
+    users = r.get("sandboxes") or []
+    if not users:
+        return f"removed image name {removed} (its layers go at the next `dsec image gc`)"
+    shown = ", ".join(users[:5]) + (", ..." if len(users) > 5 else "")
+    return (f"removed image name {removed}; {len(users)} sandbox(es) on it run on and keep its layers "
+            f"({shown}): a `dsec image gc` after they end frees them")

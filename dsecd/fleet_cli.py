@@ -25,6 +25,7 @@ from .clitext import (
     event_fields,
     human_bytes,
     image_config,
+    image_removed,
     job_done,
     job_verb,
     kv,
@@ -402,8 +403,7 @@ async def fleet_image(fleet: Fleet, a) -> int:
         # As `dsec image rm` says it: the answer is the image removed, which
         # _summary would print as a build's.
         return await _on_every_host(fleet, a, "image rm", lambda c: c.remove_image(a.name),
-                                    lambda r: f"removed image name {r.get('name') or a.name} "
-                                              "(its layers go at the next `dsec image gc`)")
+                                    lambda r: image_removed(r, a.name))
     if a.image_cmd == "gc":
         return await _on_every_host(fleet, a, "image gc", lambda c: c.image_gc())
     if a.image_cmd == "pull":

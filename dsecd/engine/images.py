@@ -681,9 +681,12 @@ class ImageService:
 
     async def rm(self, req, ctx) -> dict:
         """Removes the name only; layers stay until `image_gc`, which keeps those
-        a live sandbox uses, so sandboxes on the image are unaffected."""
+        a live sandbox uses, so sandboxes on the image are unaffected. The
+        result names those sandboxes: until they end, a gc frees nothing of it."""
         image = await self._images_call(self.images.remove, req.name)
-        return image.to_dict()
+        users = [s.id for s in self.registry.by_id.values()
+                 if image.manifest is not None and s.manifest == image.manifest and s.state != "dead"]
+        return {**image.to_dict(), "sandboxes": users}
 
     def _in_use(self) -> tuple[set[str], set[str]]:
         live = [s for s in self.registry.by_id.values() if s.state != "dead"]

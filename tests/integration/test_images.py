@@ -78,7 +78,10 @@ def test_layers_mounted_once_and_shared(images):
 def test_rm_name_keeps_running_sandboxes_and_gc_keeps_their_layers(images):
     d, c = images
     sb = c.create(image="base")
-    c.request("image_rm", name="base")
+    # An rm says which sandboxes run on the image: a gc frees nothing of it until they end.
+    removed = d.cli("image", "rm", "base")
+    assert removed.returncode == 0, removed.stderr
+    assert f"1 sandbox(es) on it run on and keep its layers ({sb.id})".encode() in removed.stdout
     with pytest.raises(NotFound):
         c.request("image_inspect", name="base")
     assert c.request("image_du")["unreferenced_bytes"] == 0      # what a gc would free: nothing yet

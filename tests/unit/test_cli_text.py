@@ -133,3 +133,15 @@ def test_ps_dates_a_sandbox_made_before_today(capsys):
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert time.strftime("%Y-%m-%d %H:%M", time.localtime(before)) in rows["aaaaaaaaaaaa"]
     assert time.strftime("%H:%M:%S", time.localtime(now)) in rows["bbbbbbbbbbbb"]
+
+
+def test_image_rm_says_which_sandboxes_keep_the_layers():
+    """A gc right after `dsec image rm` frees nothing of an image sandboxes run on."""
+    from dsecd.clitext import image_removed
+
+    assert image_removed({"name": "app", "sandboxes": []}, "app") == \
+        "removed image name app (its layers go at the next `dsec image gc`)"
+    ids = [f"{n:012x}" for n in range(7)]
+    said = image_removed({"name": "docker.io/library/app:latest", "sandboxes": ids}, "app")
+    assert said.startswith("removed image name docker.io/library/app:latest; 7 sandbox(es) on it run on")
+    assert f"({', '.join(ids[:5])}, ...)" in said and "after they end" in said
