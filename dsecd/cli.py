@@ -485,6 +485,10 @@ async def cmd_image(c: Client, a) -> int:
             if r.get("damaged"):
                 print(f"dsec image rm: the image could not be read: {r['damaged']}", file=sys.stderr)
         return 0
+    if a.image_cmd == "tag":
+        img = await c.tag_image(a.source, a.name)
+        _print_json(img) if a.json else _print_image(img, "tagged", _replaced(img))
+        return 0
     if a.image_cmd == "gc":
         r = await c.image_gc()
         _print_json(r) if a.json else print(f"removed {len(r['removed'])} blob(s), "
@@ -500,7 +504,7 @@ async def cmd_image(c: Client, a) -> int:
         _table([[i["name"], str(i["layers"]), _human_bytes(i["bytes"])] for i in r["images"]],
                ["IMAGE", "LAYERS", "SIZE"])
         return 0
-    raise UsageError("dsec image: give a subcommand: build, import, pull, ls, inspect, rm, gc, du")
+    raise UsageError("dsec image: give a subcommand: build, import, pull, ls, inspect, tag, rm, gc, du")
 
 
 def _pause_summary(r: dict) -> str:

@@ -399,6 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("inspect", "rm"):
         x = img.add_parser(name)
         x.add_argument("name")
+    x = img.add_parser("tag", help="name an image again (docker tag): the same image, nothing copied; "
+                       "an image of that name is replaced")
+    x.add_argument("source", help="the image to name")
+    x.add_argument("name", help="its new name")
 
     cr = sub.add_parser("create", help="create a sandbox; prints its id (it runs nothing: see dsec run)",
                         usage="dsec create [options] IMAGE (or --image IMAGE)")

@@ -1255,6 +1255,12 @@ class Client:
     async def remove_image(self, name: str) -> dict:
         return await self.request("image_rm", name=name)
 
+    async def tag_image(self, source: str, name: str) -> dict:
+        """Name image `source` `name` too (docker tag): the same image, nothing
+        copied; an image of that name is replaced. Result: the image under
+        `name`, with `replaced` (the manifest the name had, or None)."""
+        return await self.request("image_tag", source=source, name=name)
+
     # ---------------------------------------------------------------- sandboxes
 
     async def create(self, image: str, cpu: float | None = None, memory: int | str | None = None,

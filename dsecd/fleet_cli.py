@@ -404,6 +404,9 @@ async def fleet_image(fleet: Fleet, a) -> int:
         # _summary would print as a build's.
         return await _on_every_host(fleet, a, "image rm", lambda c: c.remove_image(a.name),
                                     lambda r: image_removed(r, a.name))
+    if a.image_cmd == "tag":
+        # Every host's store: on one shared store the hosts name the same image, once each.
+        return await _on_every_host(fleet, a, "image tag", lambda c: c.tag_image(a.source, a.name))
     if a.image_cmd == "gc":
         return await _on_every_host(fleet, a, "image gc", lambda c: c.image_gc())
     if a.image_cmd == "pull":

@@ -334,6 +334,12 @@ class ImageRemove:
     name: str
 
 
+@request("image_tag")
+class ImageTag:
+    source: str                  # the image to name again
+    name: str                    # its new name (one taken is moved to it)
+
+
 @request("create")
 class Create:
     image: str

@@ -725,6 +725,9 @@ class SyncClient(_LoopThread):
     def image_listing(self) -> dict:
         return self._run(self._client.image_listing())
 
+    def tag_image(self, source: str, name: str) -> dict:
+        return self._run(self._client.tag_image(source, name))
+
     def inspect_image(self, name: str) -> dict:
         return self._run(self._client.inspect_image(name))
 

@@ -688,6 +688,12 @@ class ImageService:
                  if image.manifest is not None and s.manifest == image.manifest and s.state != "dead"]
         return {**image.to_dict(), "sandboxes": users}
 
+    async def tag(self, req, ctx) -> dict:
+        """A second name for an image (docker tag): the name moves at once if
+        taken, as a build's does."""
+        image = await self._images_call(self.images.tag, req.source, req.name)
+        return image.to_dict()
+
     def _in_use(self) -> tuple[set[str], set[str]]:
         live = [s for s in self.registry.by_id.values() if s.state != "dead"]
         return {d for s in live for d in s.layers}, {s.manifest for s in live if s.manifest}

@@ -339,6 +339,25 @@ class ImageStore:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
 
+    def tag(self, source: str, name: str) -> Image:
+        """Name the image `source` names `name` too: the same manifest, nothing
+        copied or built; its parent and registry origin (a pulled image's
+        platform with it) go along. An image of that name is replaced, as a
+        build replaces one; `replaced` in the extra says the manifest the
+        name had (None: none, or this one)."""
+        name = self.new_name(name)
+        with self.pinning() as hold:
+            image = self.get(source)
+            for digest in [image.manifest, *image.layer_digests]:
+                hold(digest)
+                if not self.store.exists(digest):      # collected before the pin: rm and gc meanwhile
+                    raise ImageError("not_found", f"image {source!r} was removed meanwhile ({digest} is gone "
+                                     "from the store)")
+            before = self._publish(name, image.manifest, image.parent, image.source, replace=True)
+        tagged = self.get(name)
+        tagged.extra["replaced"] = before if before != image.manifest else None
+        return tagged
+
     def remove(self, name: str) -> Image:
         """Remove a name. One whose ref or manifest cannot be read (a damaged
         ref, a manifest another host's gc collected) fails every lookup, and

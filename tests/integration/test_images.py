@@ -210,6 +210,35 @@ def test_an_import_under_a_taken_name_replaces_the_image(images, busybox_rootfs,
     assert c.build_image(str(tmp_path / "v1"), "app", parent="base")["replaced"] is None    # the same image
 
 
+def test_tag_names_an_image_again_without_a_copy(images, tmp_path):
+    """docker tag: a second name for the same manifest; removing either
+    name leaves the other, and a taken name is moved, as a build moves it."""
+    d, c = images
+    sb = c.create(image="base")
+    sb.exec(["sh", "-c", "echo snap > /snapped"])
+    snap = sb.snapshot("snap")
+    sb.destroy()
+    blobs = c.request("image_du")["blobs"]
+    tagged = d.cli("image", "tag", "snap", "team/app:stable")
+    assert tagged.returncode == 0, tagged.stderr
+    assert tagged.stdout.decode().startswith("tagged docker.io/team/app:stable: 2 layer(s)")
+    stable = c.request("image_inspect", name="team/app:stable")
+    assert (stable["manifest"], stable["parent"]) == (snap["manifest"], "base")
+    assert c.request("image_du")["blobs"] == blobs          # nothing copied
+    c.request("image_rm", name="snap")
+    c.image_gc()
+    with c.sandbox(image="team/app:stable") as again:
+        assert again.exec(["cat", "/snapped"]).stdout == b"snap\n"
+    moved = c.tag_image("base", "team/app:stable")
+    assert moved["replaced"] == snap["manifest"] and moved["manifest"] == c.inspect_image("base")["manifest"]
+    assert c.tag_image("base", "team/app:stable")["replaced"] is None
+    with pytest.raises(NotFound):
+        c.tag_image("no-such-image", "x")
+    with pytest.raises(BadRequest, match="has a digest"):
+        c.tag_image("base", "x@sha256:" + "0" * 64)
+    assert "x" not in [i["name"] for i in c.list_images()]
+
+
 def test_bad_builds(images, tmp_path):
     d, c = images
     with pytest.raises(NotFound):

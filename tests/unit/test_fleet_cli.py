@@ -242,6 +242,21 @@ def test_fleet_image_rm_says_the_image_was_removed(capsys):
     assert "layer(s)" not in out
 
 
+def test_fleet_image_tag_names_the_image_on_every_host(capsys):
+    fleet = fleet_of_three()
+    asked = []
+    for host in fleet.hosts.values():
+        async def tag_image(source, name):
+            asked.append((source, name))
+            return {"name": name, "layers": [{"digest": "sha256:0"}], "bytes": 8 << 20, "replaced": None}
+        host.client.tag_image = tag_image
+    a = cli.parse_args(["fleet", "--hosts", "x", "image", "tag", "img", "img:stable"])
+    status = asyncio.run(fleet_cli.fleet_image(fleet, a))
+    out = capsys.readouterr().out
+    assert status == 1                                   # h3 is down
+    assert ("img", "img:stable") in asked and "h1: img:stable: 1 layer(s), 8.0M" in out
+
+
 class EventsClient:
     """A host whose events stream gives one event, then fails (or ends)."""
 
