@@ -21,6 +21,7 @@ Everything here blocks (mkfs, hashing, copying): call it from a worker thread.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -81,6 +82,9 @@ def _canonical(obj: dict) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
+# How many times a ref is read that answers ESTALE (a network file system:
+# another host renamed a new ref over it) before it counts as unreadable.
+STALE_READS = 3
 UNPACK_PREFIX = "unpack-"       # a tarball or layout unpacked in the scratch dir, one dir per layer
 
 
@@ -218,12 +222,20 @@ class ImageStore:
         ImageError saying so."""
         path = self._ref(name)
         try:
-            st = os.stat(path)
-            key = (st.st_ino, st.st_mtime_ns, st.st_size)
-            cached = self._refs.get(name)
-            if cached is not None and cached[0] == key:
-                return cached[1]
-            ref = json.loads(path.read_text())
+            for attempt in range(STALE_READS):
+                try:
+                    st = os.stat(path)
+                    key = (st.st_ino, st.st_mtime_ns, st.st_size)
+                    cached = self._refs.get(name)
+                    if cached is not None and cached[0] == key:
+                        return cached[1]
+                    ref = json.loads(path.read_text())
+                    break
+                except OSError as err:
+                    # The ref was replaced (renamed over) by another host since
+                    # this host's mount looked the name up: a new lookup finds it.
+                    if err.errno != errno.ESTALE or attempt == STALE_READS - 1:
+                        raise
         except FileNotFoundError:
             self._refs.pop(name, None)      # removed, here or by another host's daemon
             raise

@@ -173,3 +173,32 @@ def test_a_name_removed_while_listed_is_not_called_unreadable(tmp_path, monkeypa
     monkeypatch.setattr(store, "get", removed_first)
     images, unreadable = store.list()
     assert [i.name for i in images] == ["other"] and unreadable == []
+
+
+def test_a_ref_another_host_renamed_over_is_read_anew(tmp_path, monkeypatch):
+    """On a network file system, a ref replaced by another host (a rebuild,
+    a tag, a pull moving a tag) answers ESTALE to a host whose mount looked
+    the name up before: the read is made again and finds the new image,
+    neither the copy read before nor an `io` error."""
+    import errno
+    from pathlib import Path
+
+    store = tmp_path / "store"
+    here, there = ImageStore(store, tmp_path / "s1"), ImageStore(store, tmp_path / "s2")
+    first = there.build_from_dir(_src(tmp_path, "a", "one"), "seen")
+    there.build_from_dir(_src(tmp_path, "b", "two"), "unseen")
+    assert here.get("seen").manifest == first.manifest
+    second = there.build_from_dir(_src(tmp_path, "c", "three"), "seen")
+    read_text = Path.read_text
+    stale: list[str] = []
+
+    def replaced_elsewhere(path, *args, **kw):
+        if path.parent == store / "refs" and path.name not in stale:
+            stale.append(path.name)         # once per name: the next lookup finds the new file
+            raise OSError(errno.ESTALE, "Stale file handle", str(path))
+        return read_text(path, *args, **kw)
+
+    monkeypatch.setattr(Path, "read_text", replaced_elsewhere)
+    assert here.get("seen").manifest == second.manifest
+    assert here.get("unseen").name == "unseen"
+    assert stale == ["seen", "unseen"]
