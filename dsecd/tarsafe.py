@@ -103,6 +103,15 @@ def check(m: tarfile.TarInfo, seen: Seen) -> str:
     return rel
 
 
+def check_end(tf: tarfile.TarFile) -> None:
+    """Once stream-mode (`r|`) `tf` gave its last member: raise ReadError
+    unless the archive ended with its end-of-archive block. tarfile ends a
+    stream quietly where the input runs out at or in an entry's header, so
+    an archive cut there would pass for a whole one with fewer entries."""
+    if tf.fileobj.tell() != tf.offset + tarfile.BLOCKSIZE:
+        raise tarfile.ReadError("it ends without its end-of-archive block: the archive was cut short")
+
+
 def _check_parent(name: str, parent: str, seen: Seen) -> None:
     """Every directory above an entry is one the archive made (or will make
     implicitly), never a symlink or file of it."""

@@ -1240,6 +1240,7 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None) -> tar
                 record(b"s", rel, 0, max(0, int(m.mtime)), m.linkname.encode(errors="surrogateescape"))
             else:
                 record(b"h", rel, data=tarsafe.entry_name(m.linkname).encode(errors="surrogateescape"))
+        tarsafe.check_end(tf)
     while pipe.read(1 << 20):               # the zero padding after the archive, up to the input's end
         pass
     for rel, (mode, mtime) in sorted(dir_modes.items(), key=lambda kv: -kv[0].count("/") - bool(kv[0])):

@@ -109,6 +109,7 @@ def _extract_into(pfd: int, tmp: str, fileobj, seen: tarsafe.Seen, fill) -> dict
                     continue
                 _make_dirs(topfd, rel.rpartition("/")[0], made)
                 _extract_one(topfd, rel, m, tf, fill)
+            tarsafe.check_end(tf)
         while fileobj.read(READ):               # the zero padding after the archive, up to the input's end
             pass
         # Last, deepest first: a read-only directory must not stop what goes in it.

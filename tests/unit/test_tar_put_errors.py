@@ -50,3 +50,48 @@ def test_garbage_is_not_called_compressed(tmp_path):
         _put(tmp_path, b"garbage" * 100)
     assert str(info.value).startswith("the tar stream is not a valid archive"), info.value
     assert "compressed" not in str(info.value)
+
+
+def _tar_of(n: int) -> bytes:
+    """n files of 3 bytes: each entry its header block and one data block."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for i in range(n):
+            info = tarfile.TarInfo(f"f{i}")
+            info.size = 3
+            tf.addfile(info, io.BytesIO(b"abc"))
+    return buf.getvalue()
+
+
+# Where a tar of three entries (1024 bytes each) may be cut: at the second
+# entry's header, inside it, and where the end-of-archive block should begin.
+CUTS = [1024, 1024 + 100, 3 * 1024]
+
+
+@pytest.mark.parametrize("cut", CUTS)
+def test_a_tar_cut_at_or_in_a_header_is_refused(tmp_path, cut):
+    """tarfile's stream reader ends quietly where its input does at an
+    entry's header: the copy must not pass for a whole one of fewer files."""
+    with pytest.raises(PathError, match="cut short"):
+        _put(tmp_path, _tar_of(3)[:cut])
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_whole_tar_without_its_padding_is_taken(tmp_path):
+    """One zero block is the end; the rest of the record is padding a writer may leave out."""
+    assert _put(tmp_path, _tar_of(3)[:3 * 1024 + 512])["count"] == 3
+    assert sorted(os.listdir(tmp_path / "copy")) == ["f0", "f1", "f2"]
+
+
+@pytest.mark.parametrize("cut", CUTS)
+def test_a_microvm_put_refuses_a_cut_tar_too(cut):
+    """The microVM backend reads the tar on the host the same way
+    (engine/microvms.py _put_records) before its records reach the guest."""
+    from dsecd.engine.microvms import _put_records
+
+    sent: list[tuple[bytes, bool]] = []
+    with pytest.raises(tarfile.ReadError, match="cut short"):
+        _put_records(io.BytesIO(_tar_of(3)[:cut]), lambda data, eof: sent.append((data, eof)), 100, 1 << 20)
+    assert not any(eof for _, eof in sent)          # no end record: the guest's child removes what it made
+    _put_records(io.BytesIO(_tar_of(3)), lambda data, eof: sent.append((data, eof)), 100, 1 << 20)
+    assert sent[-1][1]
