@@ -1809,23 +1809,6 @@ async def _cancel(client, rid: int) -> None:
         await client.request("cancel", target=rid)
 
 
-def _read_chunk(fileobj, n: int) -> bytes:
-    """Up to `n` bytes of `fileobj`, fewer only at its end: a raw stream (a
-    pipe, a socket, an HTTP body) may return fewer from one read without
-    being at its end."""
-    data = fileobj.read(n)
-    if data is None or len(data) >= n:
-        return data or b""
-    parts, size = [data], len(data)
-    while size < n:
-        more = fileobj.read(n - size)
-        if not more:
-            break
-        parts.append(more)
-        size += len(more)
-    return b"".join(parts)
-
-
 class Sandbox:
     def __init__(self, client: Client, sandbox_id: str, info: dict):
         self.client = client
@@ -2205,14 +2188,15 @@ class Sandbox:
     async def upload_tar(self, fileobj, remote: str, temporary: bool = False,
                          owner: int | str | None = None) -> dict:
         """Extract an uncompressed tar read from binary file `fileobj` (or
-        given as bytes, as docker's put_archive takes it) as the new
-        directory `remote` in the sandbox (see upload_dir: the daemon
-        checks every entry; a refused archive leaves nothing; `temporary`;
-        `owner`). Cancelled, it returns once the daemon has removed what
-        the copy made (in a container), so nothing of it is seen after."""
+        given as bytes, as docker's put_archive takes it, or as an async
+        iterable of bytes, a stream of it) as the new directory `remote` in
+        the sandbox (see upload_dir: the daemon checks every entry; a
+        refused archive leaves nothing; `temporary`; `owner`). Cancelled,
+        it returns once the daemon has removed what the copy made (in a
+        container), so nothing of it is seen after."""
         if isinstance(fileobj, (bytes, bytearray, memoryview)):
             fileobj = io.BytesIO(fileobj)
-        elif not callable(getattr(fileobj, "read", None)):
+        elif not callable(getattr(fileobj, "read", None)) and not hasattr(fileobj, "__aiter__"):
             raise TypeError("upload_tar: give a binary file object (open(path, 'rb')) or the tar's bytes, got "
                             f"{type(fileobj).__name__}" + (" (a path: open it; a directory: upload_dir)"
                                                            if isinstance(fileobj, str) else ""))
@@ -2243,22 +2227,26 @@ class Sandbox:
         """The tar, a chunk per file_tar_input; the last one says eof. A
         read that fails goes into `failed`, and cancels the put."""
         await sent.wait()          # the inputs must follow their put on the wire
-        while True:
-            try:
-                data = await asyncio.to_thread(_read_chunk, fileobj, chunk)
-            except Exception as err:
-                # The daemon would wait for the rest of the tar (limits.frame_timeout_s),
-                # and the caller with it: the copy is cancelled (nothing is left), and
-                # upload_tar raises the read's error once the put has ended (which
-                # may come before the cancel's own answer).
-                if failed is not None:
-                    failed.append(err)
-                await _cancel(self.client, rid)
-                return
-            last = len(data) < chunk
-            await self.client.request("file_tar_input", put_id=rid, data=data, eof=last)
-            if last:
-                return
+        pieces = file_pieces(fileobj, chunk, "upload_tar")
+        try:
+            while True:
+                try:
+                    data = await anext(pieces, b"")     # ended on a whole chunk: an empty last one
+                except Exception as err:
+                    # The daemon would wait for the rest of the tar (limits.frame_timeout_s),
+                    # and the caller with it: the copy is cancelled (nothing is left), and
+                    # upload_tar raises the read's error once the put has ended (which
+                    # may come before the cancel's own answer).
+                    if failed is not None:
+                        failed.append(err)
+                    await _cancel(self.client, rid)
+                    return
+                last = len(data) < chunk
+                await self.client.request("file_tar_input", put_id=rid, data=data, eof=last)
+                if last:
+                    return
+        finally:
+            await pieces.aclose()
 
     async def download_dir(self, remote: str, local: str) -> dict:
         """Copy directory `remote` of the sandbox as the new local directory

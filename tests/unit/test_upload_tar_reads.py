@@ -115,3 +115,31 @@ def test_a_read_that_fails_cancels_the_copy_at_once(error):
     took, requests = asyncio.run(go())
     assert took < 2, took
     assert ("cancel", {"target": 7}) in requests
+
+
+async def _pieces(*sizes: int):
+    for i, size in enumerate(sizes):
+        yield bytes([i]) * size
+
+
+@pytest.mark.parametrize("sizes,expect", [
+    ((1000, 5000, 3000, 1192), [(4096, False), (4096, False), (2000, True)]),
+    ((4096, 4000, 96), [(4096, False), (4096, False), (0, True)]),      # ends on a whole chunk
+    ((), [(0, True)]),
+])
+def test_an_async_iterable_is_sent_in_whole_chunks(sizes, expect):
+    """A tar streamed from elsewhere (dsec cp - SB:/dir reads stdin as it
+    comes): its pieces of any size regrouped under the frame limit, every
+    byte sent once, in order, the last input saying eof."""
+    inputs = _feed(_pieces(*sizes), chunk=4096)
+    assert [(len(d), eof) for d, eof in inputs] == expect
+    assert b"".join(d for d, _ in inputs) == b"".join(bytes([i]) * s for i, s in enumerate(sizes))
+
+
+def test_upload_tar_takes_an_async_iterable():
+    """Not refused as a wrong type before anything is sent (upload_tar checks its argument first)."""
+    sb = Sandbox(None, "abc123def456", {})
+    with pytest.raises(TypeError, match="upload_tar: give a binary file object"):
+        asyncio.run(sb.upload_tar(object(), "/work/x"))
+    with pytest.raises(AttributeError):             # past the check: the (missing) client's turn
+        asyncio.run(sb.upload_tar(_pieces(10), "/work/x"))
