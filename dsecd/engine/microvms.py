@@ -1243,9 +1243,9 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None) -> tar
         tarsafe.check_end(tf)
     while pipe.read(1 << 20):               # the zero padding after the archive, up to the input's end
         pass
-    for rel, (mode, mtime) in sorted(dir_modes.items(), key=lambda kv: -kv[0].count("/") - bool(kv[0])):
-        if rel in made:
-            record(b"D", rel, mode, mtime)
+    # One the archive has no entry for gets 0755, as tar(1) and docker cp make it.
+    for rel in sorted(made, key=lambda rel: -rel.count("/") - bool(rel)):
+        record(b"D", rel, *dir_modes.get(rel, (0o755, -1)))
     record(b"E", "")
     flush(eof=True)
     return seen

@@ -113,9 +113,9 @@ def _extract_into(pfd: int, tmp: str, fileobj, seen: tarsafe.Seen, fill) -> dict
         while fileobj.read(READ):               # the zero padding after the archive, up to the input's end
             pass
         # Last, deepest first: a read-only directory must not stop what goes in it.
-        for rel, (mode, mtime) in sorted(dir_modes.items(), key=lambda kv: -kv[0].count("/") - bool(kv[0])):
-            if rel in made:
-                _set_dir(topfd, rel, mode, mtime)
+        # One the archive has no entry for gets 0755, as tar(1) and docker cp make it.
+        for rel in sorted(made, key=lambda rel: -rel.count("/") - bool(rel)):
+            _set_dir(topfd, rel, *dir_modes.get(rel, (0o755, -1.0)))
     except tarsafe.Refused as err:
         raise PathError(str(err)) from err
     except (tarfile.TarError, EOFError) as err:

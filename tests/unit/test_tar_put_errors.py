@@ -8,6 +8,7 @@ import gzip
 import io
 import lzma
 import os
+import stat
 import tarfile
 
 import pytest
@@ -95,3 +96,40 @@ def test_a_microvm_put_refuses_a_cut_tar_too(cut):
     assert not any(eof for _, eof in sent)          # no end record: the guest's child removes what it made
     _put_records(io.BytesIO(_tar_of(3)), lambda data, eof: sent.append((data, eof)), 100, 1 << 20)
     assert sent[-1][1]
+
+
+def _only_a_file() -> bytes:
+    """`tar -cf - a/b/f` names the file alone: no entries for a or a/b."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        info = tarfile.TarInfo("a/b/f")
+        info.size = 2
+        tf.addfile(info, io.BytesIO(b"hi"))
+    return buf.getvalue()
+
+
+def test_directories_the_archive_does_not_name_get_0755(tmp_path):
+    """Made 0700 while the copy runs; left so, a sandbox's non-root user
+    could not reach the files in them."""
+    _put(tmp_path, _only_a_file())
+    modes = {rel: stat.S_IMODE(os.stat(tmp_path / "copy" / rel).st_mode) for rel in ("", "a", "a/b")}
+    assert modes == {"": 0o755, "a": 0o755, "a/b": 0o755}
+
+
+def test_a_microvm_put_gives_them_0755_too():
+    import struct
+
+    from dsecd.engine.microvms import _put_records
+
+    out = bytearray()
+    _put_records(io.BytesIO(_only_a_file()), lambda data, eof: out.extend(data), 100, 1 << 20)
+    modes, pos = {}, 0
+    while pos < len(out):                   # kind, name length, name, mode, mtime, size, data
+        kind = out[pos:pos + 1]
+        (n,) = struct.unpack(">I", out[pos + 1:pos + 5])
+        name = out[pos + 5:pos + 5 + n].decode()
+        mode, _, size = struct.unpack(">IQQ", out[pos + 5 + n:pos + 25 + n])
+        pos += 25 + n + size               # a file's bytes follow its record, as other kinds' data
+        if kind == b"D":
+            modes[name] = mode
+    assert modes == {"": 0o755, "a": 0o755, "a/b": 0o755}
