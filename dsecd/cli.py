@@ -46,12 +46,11 @@ import stat
 import sys
 import tarfile
 import termios
-import threading
 import time
 import tty
 from collections.abc import AsyncIterator
 
-from . import cpmerge, fleet_cli, imageconfig, pullview, rpcrelay, sigint, topview
+from . import cpmerge, cptar, fleet_cli, imageconfig, pullview, rpcrelay, sigint, topview
 from .cliargs import (  # noqa: F401 (parse_args and the parser's names: the CLI's, as before)
     EXIT_BROKEN_PIPE,
     EXIT_DSEC_ERROR,
@@ -92,6 +91,7 @@ from .clitext import kv as _kv
 from .clitext import pct as _pct
 from .clitext import print_json as _print_json
 from .clitext import table as _table
+from .cptar import in_a_thread_of_its_own as _in_a_thread_of_its_own
 from .errors import (
     BadRequest,
     ConnectionLost,
@@ -1402,9 +1402,6 @@ async def _cp_dir(c: Client, a, src_sb: str | None, src: str, dst_sb: str | None
         if a.json:
             _print_json({**r, "sandbox": sb.id, "local": src})
         return 0
-    if dst == "-":          # not a local directory named "-": stdout takes one file's bytes
-        raise UsageError(f"dsec cp: {src_sb}:{src} is a directory, and '-' (stdout) takes a file's bytes, not "
-                         "a tree: copy it to a local directory (dsec cp -r SB:/dir ./dir)")
     sb = await c.get(src_sb)
     if os.path.isdir(dst):
         if not _contents_of(src):
@@ -1420,12 +1417,34 @@ async def _cp_dir(c: Client, a, src_sb: str | None, src: str, dst_sb: str | None
     return 0
 
 
-async def _remote_dir(sb, path: str) -> bool:
-    """Whether `path` is a directory in the sandbox (one stat; a missing path is not)."""
+async def _remote_dir(sb, path: str, follow: bool = False) -> bool:
+    """Whether `path` is a directory in the sandbox (one stat; a missing path
+    is not); with `follow`, a symlink to one is too (a listing as well)."""
     try:
-        return (await sb.stat(path))["type"] == "dir"
+        kind = (await sb.stat(path))["type"]
     except NotFound:
         return False
+    return kind == "dir" or (follow and kind == "symlink" and await _lists_as_dir(sb, path))
+
+
+async def _tar_source(c: Client, sb_id: str, src: str) -> bool:
+    """Whether `dsec cp SB:SRC -` writes a tar, as docker cp - does: SRC is
+    a directory (or a symlink to one); a file's bytes go out as they are."""
+    return await _remote_dir(await c.get(sb_id), src, follow=True)
+
+
+async def _cp_tar_out(c: Client, a, sb_id: str, src: str) -> int:
+    """`dsec cp SB:/dir -`: the tree as a tar on stdout, its entries below
+    the directory's base name (SB:/dir/.: the contents, without it), as
+    docker cp gives it; written as it comes (dsecd/cptar.py)."""
+    if a.json:
+        raise UsageError(f"dsec cp: --json: stdout carries the tar of {sb_id}:{src}; drop --json (what "
+                         "was left out is said on stderr)")
+    sb = await c.get(sb_id)
+    top = "" if _contents_of(src) else posixpath.basename(posixpath.normpath(src))
+    r = await cptar.tar_to_fd(sb, src if src.endswith("/") else src + "/", top)     # a symlink: what it leads to
+    _report_skipped(src, r)
+    return 0
 
 
 def _landing_name() -> str:
@@ -1434,16 +1453,20 @@ def _landing_name() -> str:
     return f".dsec-cp-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-async def _cp_merged(a, sb, src: str, dst: str, upload: bool) -> int:
+async def _cp_merged(a, sb, src: str, dst: str, upload: bool, tar: AsyncIterator[bytes] | None = None) -> int:
     """`dsec cp -r` into the existing directory DST: SRC's entries (of SRC/.,
-    or of the directory SRC where DST is its namesake) become entries of
-    DST, merged as docker cp merges (dsecd/cpmerge.py). The tree arrives
-    whole in a new directory inside DST, then moves into place."""
+    or of the directory SRC where DST is its namesake; or those of `tar`, a
+    tar stream, where SRC is "-") become entries of DST, merged as docker
+    cp merges (dsecd/cpmerge.py). The tree arrives whole in a new directory
+    inside DST, then moves into place."""
     landing = _landing_name()
     if upload:
         held = posixpath.join(dst, landing)
         try:
-            r = await sb.upload_dir(src, held, temporary=True, owner=a.owner)
+            if tar is not None:
+                r = await sb.upload_tar(tar, held, temporary=True, owner=a.owner)
+            else:
+                r = await sb.upload_dir(src, held, temporary=True, owner=a.owner)
         except DsecError as err:            # named as the user named it, not by the landing
             raise named_as(err, held, dst) from None
         try:
@@ -1538,6 +1561,8 @@ async def _cp(c: Client, a) -> int:
     if a.owner is not None and src_sb is not None:
         raise UsageError("dsec cp: --owner gives what a copy into a sandbox makes to a user of the sandbox; "
                          "a copy out of one belongs to whoever runs dsec")
+    if src_sb is not None and dst == "-" and await _tar_source(c, src_sb, src):
+        return await _cp_tar_out(c, a, src_sb, src)
     if src_sb is not None and dst != "-" and _keeps_links(a) and await _cp_link_out(c, a, src_sb, src, dst):
         return 0
     if src_sb is None and _keeps_links(a) and await _cp_link_in(c, a, src, dst_sb, dst):
@@ -1551,6 +1576,16 @@ async def _cp(c: Client, a) -> int:
         raise UsageError(f"dsec cp: {src} is a directory; copy it with dsec cp -r")
     if src_sb is None:
         sb = await c.get(dst_sb)
+        if src == "-" and await _remote_dir(sb, dst, follow=True):
+            # As docker cp - takes it: a tar stream, its entries merged into the directory.
+            try:
+                return await _cp_merged(a, sb, src, dst, upload=True, tar=cptar.decompressed(_stdin_chunks()))
+            except BadRequest as err:
+                if "not a valid archive" not in err.message:
+                    raise
+                raise BadRequest(f"{err.message} (stdin into a directory is a tar, as docker cp - takes it; "
+                                 f"name a file to write stdin's bytes to: SB:{dst.rstrip('/')}/NAME)",
+                                 err.detail) from None
         dst = await _cp_remote_target(sb, src, dst)
         # Streamed, never all in memory; atomic: a failed copy leaves nothing.
         if src == "-":
@@ -1609,30 +1644,6 @@ async def _to_stdout(sb, path: str) -> int:
             await _in_a_thread_of_its_own(_write_flush, 1, piece)
             written += len(piece)
     return written
-
-
-async def _in_a_thread_of_its_own(fn, *args):
-    """fn(*args) (a read of stdin, a write to stdout: either may block for
-    as long as the other end likes) in a daemon thread, so that the loop
-    runs meanwhile: cmd_cp's SIGTERM handler cancels the copy at once, and
-    dsec exits without waiting for the thread."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def settle(ok: bool, value) -> None:
-        if not fut.done():
-            (fut.set_result if ok else fut.set_exception)(value)
-
-    def run() -> None:
-        try:
-            out = True, fn(*args)
-        except BaseException as err:       # handed to the caller
-            out = False, err
-        with contextlib.suppress(RuntimeError):        # the loop ended meanwhile
-            loop.call_soon_threadsafe(settle, *out)
-
-    threading.Thread(target=run, name="dsec-cp-io", daemon=True).start()
-    return await fut
 
 
 def _keeps_links(a) -> bool:
@@ -1747,9 +1758,9 @@ async def _cp_remote_target(sb, src: str, dst: str) -> str:
             pass
     if not into:
         return dst
-    if src == "-":
-        raise UsageError(f"dsec cp: {dst} is a directory, and stdin has no name: give the file's path "
-                         f"in it (SANDBOX:{dst.rstrip('/')}/NAME)")
+    if src == "-":              # a directory takes stdin as a tar (_cp): this one is not there
+        raise UsageError(f"dsec cp: {dst}: no such directory (stdin goes into a directory that exists as a "
+                         "tar stream, or to a file named without a trailing /)")
     return posixpath.join(dst, os.path.basename(src))
 
 

@@ -466,8 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--timeout", type=_timeout_arg, help="seconds or a duration (5m); the call's process group is killed after it")
     call.add_argument("--env", action="append", metavar="K=V")
 
-    cp = sub.add_parser("cp", help="copy a file: LOCAL SB:/path or SB:/path LOCAL ('-' = stdin/stdout); "
-                                   "-r: a directory")
+    cp = sub.add_parser("cp", help="copy a file: LOCAL SB:/path or SB:/path LOCAL ('-' = stdin/stdout: a "
+                                   "file's bytes, or a directory's tar as docker cp -); -r: a directory")
     cp.add_argument("-r", "--recursive", action="store_true",
                     help="copy a directory tree (symlinks as symlinks; FIFOs and devices are not copied)")
     cp.add_argument("-L", "--follow-link", action="store_true",

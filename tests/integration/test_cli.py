@@ -562,8 +562,9 @@ def test_cp_into_a_directory_and_errors_that_name_the_users_path(daemon, tmp_pat
         assert daemon.cli("cat", f"{sb}:/etc/small.txt").stdout == b"small\n"
         r = daemon.cli("--json", "cp", str(small), f"{sb}:/work/")     # a trailing / as before
         assert r.returncode == 0 and json.loads(r.stdout)["path"] == "/work/small.txt", r.stderr
-        r = daemon.cli("cp", "-", f"{sb}:/etc", input=b"x")
-        assert r.returncode == 2 and b"stdin has no name" in r.stderr, r.stderr
+        r = daemon.cli("cp", "-", f"{sb}:/etc", input=b"x")         # a directory takes a tar, as docker cp -
+        assert r.returncode == 1 and b"not a valid archive" in r.stderr, r.stderr
+        assert b"name a file to write stdin's bytes to: SB:/etc/NAME" in r.stderr
         r = daemon.cli("exec", sb, "--", "sh", "-c", "mkdir /d; ln -s /d /to-dir; echo f > /f; ln -s /f /to-file")
         assert r.returncode == 0, r.stderr
         r = daemon.cli("cp", str(small), f"{sb}:/to-dir")            # a symlink to a directory: into it
@@ -993,16 +994,20 @@ def test_rm_f_of_a_missing_path_is_no_failure_as_rm_f(daemon, client):
         sb.destroy()
 
 
-def test_cp_r_of_a_directory_to_stdout_is_refused_not_made_a_directory_named_dash(daemon, client, tmp_path):
+def test_cp_r_of_a_directory_to_stdout_is_a_tar_not_a_directory_named_dash(daemon, client, tmp_path):
+    import io
+    import tarfile
+
     def cp(*args):          # from tmp_path, where a directory named "-" would land
         return subprocess.run([str(VENV_BIN / "dsec"), "--socket", daemon.socket, "cp", *args], cwd=tmp_path,
                               capture_output=True, timeout=60)
 
     sb = client.create(image="busybox")
     try:
-        r = cp("-r", f"{sb.id}:/etc", "-")
-        assert r.returncode == 2 and b"'-' (stdout) takes a file's bytes" in r.stderr, r
-        assert r.stdout == b"" and not (tmp_path / "-").exists()
+        r = cp("-r", f"{sb.id}:/etc", "-")                  # as docker cp SB:/etc -
+        assert r.returncode == 0, r
+        assert "etc/passwd" in tarfile.open(fileobj=io.BytesIO(r.stdout)).getnames()
+        assert not (tmp_path / "-").exists()
         r = cp("-r", f"{sb.id}:/etc/passwd", "-")           # a file: its bytes, as before
         assert r.returncode == 0 and r.stdout.startswith(b"root:"), r
     finally:

@@ -373,3 +373,155 @@ def test_a_cancelled_download_has_left_nothing_when_its_cancel_returns(daemon, c
         assert not dst.exists() and temporaries() == []
     finally:
         sb.destroy(force=True)
+
+
+# ------------------------------------------------------------ dsec cp -: a tar on stdin or stdout
+
+@pytest.fixture
+def box(client):
+    """A container (dsec cp - makes and reads the tar on the client; the daemon's side is the one above)."""
+    sb = client.create(image="busybox", memory="512M")
+    sb.exec(["sh", "-c", "mkdir -p /work/in && echo kept > /work/in/keep && echo old > /work/in/empty"])
+    yield sb
+    sb.destroy(force=True)
+
+
+def tar_of_dir(top, gzip: bool = False) -> bytes:
+    """`tar -C top -cf - .` as a Docker scaffold pipes it, by tarfile (hard links as links)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz" if gzip else "w", format=tarfile.PAX_FORMAT) as tf:
+        tf.add(str(top), arcname=".")
+    return buf.getvalue()
+
+
+def untar(data: bytes, where) -> None:
+    """The tar as `dsec cp SB:/dir - | tar -x -C where` gets it."""
+    import subprocess
+
+    where.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["tar", "-x", "-C", str(where)], input=data, capture_output=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_cli_cp_a_tar_from_stdin_and_to_stdout(daemon, box, tmp_path):
+    """docker cp - CONTAINER:/dir and docker cp CONTAINER:/dir -: the tar's
+    entries merge into the existing directory (links, modes, mtimes,
+    hard links kept); out, the tree comes under its base name."""
+    src = tmp_path / "src"
+    make_tree(src)
+    os.link(src / "run.sh", src / "hard")
+    (src / "empty").write_bytes(b"")
+    up = daemon.cli("cp", "-", f"{box.id}:/work/in", input=tar_of_dir(src))
+    assert up.returncode == 0, up.stderr
+    same = box.exec(["sh", "-c", "stat -c %i /work/in/run.sh /work/in/hard; cat /work/in/keep /work/in/empty; "
+                                 "readlink /work/in/rel-link; stat -c %a /work/in/run.sh /work/in/a/b"])
+    ino, ino2, *rest = same.stdout.decode().split()
+    assert ino == ino2 and rest == ["kept", "a/b/deep.txt", "750", "500"]
+    assert leftovers(box, "/work/in") == []
+
+    down = daemon.cli("cp", f"{box.id}:/work/in", "-")
+    assert down.returncode == 0 and down.stderr == b"", down.stderr
+    names = tarfile.open(fileobj=io.BytesIO(down.stdout)).getnames()
+    assert names[0] == "in" and all(n.startswith("in/") for n in names[1:])
+    untar(down.stdout, tmp_path / "out")
+    want = describe(src)
+    want["keep"] = ("file", 0o644, b"kept\n", want["empty"][3])
+    got = describe(tmp_path / "out" / "in")
+    got["keep"] = got["keep"][:3] + (want["empty"][3],)          # made in the sandbox: its own mtime
+    assert got == want
+
+    contents = daemon.cli("cp", f"{box.id}:/work/in/.", "-")       # DIR/.: its entries, not itself
+    assert contents.returncode == 0, contents.stderr
+    assert "in" not in tarfile.open(fileobj=io.BytesIO(contents.stdout)).getnames()
+    box.exec(["mkdir", "/work/gz"])
+    gz = daemon.cli("cp", "-", f"{box.id}:/work/gz", input=tar_of_dir(src, gzip=True))
+    assert gz.returncode == 0, gz.stderr
+    assert box.read_file("/work/gz/a/b/deep.txt") == b"deep\n" * 1000
+
+
+def test_cli_cp_stdin_into_a_file_or_a_missing_directory(daemon, box):
+    """A file's path still takes stdin's bytes as they are; a directory that is not there is said so."""
+    r = daemon.cli("cp", "-", f"{box.id}:/work/in/raw", input=b"not a tar")
+    assert r.returncode == 0 and box.read_file("/work/in/raw") == b"not a tar"
+    r = daemon.cli("cp", "-", f"{box.id}:/work/nope/", input=tar_of(OK_FILE).getvalue())
+    assert r.returncode == 2 and b"/work/nope/: no such directory" in r.stderr
+
+
+@pytest.mark.parametrize("case", ["dotdot", "through its own symlink", "hard link out", "char device"])
+def test_cli_cp_stdin_refuses_escapes_and_leaves_the_directory_as_it_was(daemon, box, case):
+    before = box.list_files("/work/in")
+    r = daemon.cli("cp", "-", f"{box.id}:/work/in", input=tar_of(OK_FILE, *HOSTILE[case]).getvalue())
+    assert r.returncode == 1 and b"bad_request" in r.stderr and b"entry" in r.stderr, r.stderr
+    assert b".dsec-" not in r.stderr                    # named as the user named it
+    assert box.list_files("/work/in") == before
+    assert not box.exists("/etc/evil") and not box.exists("/work/evil")
+
+
+@pytest.mark.parametrize("cut", ["in a file", "at an entry", "garbage", "gzip cut"])
+def test_cli_cp_stdin_cut_short_fails_and_leaves_the_directory_as_it_was(daemon, box, tmp_path, cut):
+    import gzip
+
+    whole = tar_of(OK_FILE, ({"name": "big"}, b"x" * 100_000), ({"name": "last"}, b"y")).getvalue()
+    data = {"in a file": whole[:20_000],
+            "at an entry": whole[:whole.index(b"y" + b"\0" * 511) - 512],     # before the last entry's header
+            "garbage": b"garbage" * 1000,
+            "gzip cut": gzip.compress(whole)[:-100]}[cut]
+    before = box.list_files("/work/in")
+    r = daemon.cli("cp", "-", f"{box.id}:/work/in", input=data)
+    assert r.returncode == 1, r.stderr
+    assert re_any(r.stderr, b"not a valid archive", b"cut short"), r.stderr
+    assert box.list_files("/work/in") == before
+
+
+def re_any(text: bytes, *parts: bytes) -> bool:
+    return any(p in text for p in parts)
+
+
+def test_cli_cp_to_a_closed_stdout_ends_quietly(daemon, box, tmp_path):
+    """`dsec cp SB:/dir - | head -c 10`: the reader goes; dsec ends as a
+    shell's command does (141, nothing on stderr) and leaves no spool."""
+    import subprocess
+
+    from conftest import VENV_BIN
+
+    box.exec(["sh", "-c", "mkdir /work/big && for i in 1 2 3 4 5 6; do "
+                          "dd if=/dev/urandom of=/work/big/f$i bs=1M count=10 2>/dev/null; done"])
+    spool = tmp_path / "tmp"
+    spool.mkdir()
+    r = subprocess.run(f"'{VENV_BIN / 'dsec'}' --socket '{daemon.socket}' cp {box.id}:/work/big - | head -c 10 "
+                       ">/dev/null; echo ${PIPESTATUS[0]}", shell=True, executable="/bin/bash",
+                       capture_output=True, env={**os.environ, "TMPDIR": str(spool)}, timeout=120)
+    assert r.stdout == b"141\n" and r.stderr == b"", r.stderr
+    assert os.listdir(spool) == []
+    whole = daemon.cli("cp", f"{box.id}:/work/big", "-")            # and the daemon copies it again
+    assert whole.returncode == 0 and len(whole.stdout) > 60 << 20
+
+
+def test_cli_cp_stdin_interrupted_leaves_nothing(daemon, box):
+    """^C while the tar still comes: dsec ends (130) and nothing of the copy is left in the directory."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import VENV_BIN
+
+    data = tar_of(*(({"name": f"f{i}"}, os.urandom(1 << 20)) for i in range(12))).getvalue()
+    p = subprocess.Popen([str(VENV_BIN / "dsec"), "--socket", daemon.socket, "cp", "-", f"{box.id}:/work/in"],
+                         stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        p.stdin.write(data[:6 << 20])
+        p.stdin.flush()
+        for _ in range(600):                    # its landing directory is made: the copy is under way
+            if leftovers(box, "/work/in"):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the copy never began")
+        p.send_signal(signal.SIGINT)
+        assert p.wait(60) == 130, p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    assert leftovers(box, "/work/in") == [] and sorted(e["name"] for e in box.list_files("/work/in")) == \
+        ["empty", "keep"]

@@ -1,0 +1,243 @@
+"""`dsec cp - SB:/dir` and `dsec cp SB:/dir -`: a tree as a tar stream on
+dsec's stdin or stdout, as `docker cp -` takes and gives one.
+
+Into a sandbox, stdin's tar (gzip, xz or bzip2 compressed too: undone here,
+a piece at a time, as the daemon takes an uncompressed tar) goes through
+the SDK's upload_tar unchanged: the daemon checks and extracts it as it
+arrives, never spooled. Out of one, the daemon's tar of the tree
+(file_tar_get) is spooled to a temporary file as download_dir spools it,
+and written out again while it arrives, its entries renamed below the
+source's base name as docker names them; it is read from the spool, so a
+reader slower than the daemon holds up nothing but disk. In memory: one
+chunk (limits.max_file_chunk_bytes) and tarfile's buffers, either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bz2
+import contextlib
+import lzma
+import os
+import posixpath
+import tarfile
+import tempfile
+import threading
+import zlib
+from collections.abc import AsyncIterator
+
+from . import tarsafe
+from .errors import BadRequest
+
+PIECE = 1 << 20          # the most decompressed bytes made from one step
+
+# The first bytes of the compressed streams a tar may come in, and what undoes them.
+_FORMATS = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
+
+
+def _decompressor(kind: str):
+    if kind == "gzip":
+        return zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    if kind == "xz":
+        return lzma.LZMADecompressor()
+    if kind == "bzip2":
+        return bz2.BZ2Decompressor()
+    raise BadRequest(f"stdin is a {kind}-compressed stream, which dsec cp does not undo: decompress it first "
+                     f"(e.g. {kind} -dc FILE | dsec cp - SB:/dir)")
+
+
+class _Undo:
+    """A compressed stream undone as it comes, its output in pieces of at
+    most PIECE bytes (a few KiB of gzip may stand for gigabytes). Streams
+    that follow one another (pigz, pbzip2, `cat a.gz b.gz`) are undone one
+    after the other; anything else after the last is ignored, as gzip(1)
+    ignores trailing zeros."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.d = _decompressor(kind)
+        self.over = False
+
+    def feed(self, data: bytes):
+        while not self.over:
+            if self.kind == "gzip":
+                out = self.d.decompress(data, PIECE)
+                data = self.d.unconsumed_tail
+                more = bool(data) or len(out) == PIECE
+            else:
+                out = self.d.decompress(data, PIECE)
+                data = b""
+                more = not self.d.needs_input and not self.d.eof
+            if out:
+                yield out
+            if self.d.eof:
+                rest = self.d.unused_data + data
+                if not rest.startswith(next(m for m, k in _FORMATS if k == self.kind)):
+                    self.over = True
+                    return
+                self.d, data, more = _decompressor(self.kind), rest, True
+            if not more:
+                return
+
+    def end(self) -> None:
+        if not self.over and not self.d.eof:
+            raise BadRequest(f"stdin's {self.kind} stream ends before its end: the archive is cut short")
+
+
+async def decompressed(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`chunks` as they come, or undone where they begin as a compressed
+    stream does."""
+    head = b""
+    async for chunk in chunks:
+        head += chunk
+        if len(head) >= 6:
+            break
+    kind = next((k for magic, k in _FORMATS if head.startswith(magic)), None)
+    if kind is None:
+        if head:
+            yield head
+        async for chunk in chunks:
+            yield chunk
+        return
+    undo = _Undo(kind)
+    for out in undo.feed(head):
+        yield out
+    async for chunk in chunks:
+        for out in undo.feed(chunk):
+            yield out
+    undo.end()
+
+
+async def in_a_thread_of_its_own(fn, *args):
+    """fn(*args) (a read of stdin, a write to stdout: either may block for
+    as long as the other end likes) in a daemon thread, so that the loop
+    runs meanwhile: cmd_cp's SIGTERM handler cancels the copy at once, and
+    dsec exits without waiting for the thread."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not fut.done():
+            (fut.set_result if ok else fut.set_exception)(value)
+
+    def run() -> None:
+        try:
+            out = True, fn(*args)
+        except BaseException as err:       # handed to the caller
+            out = False, err
+        with contextlib.suppress(RuntimeError):        # the loop ended meanwhile
+            loop.call_soon_threadsafe(settle, *out)
+
+    threading.Thread(target=run, name="dsec-cp-io", daemon=True).start()
+    return await fut
+
+
+class _Stopped(Exception):
+    """The copy ended before the spool did: its reader stops."""
+
+
+class _Spool:
+    """The daemon's tar, appended on the loop as it comes, read by the
+    writer's thread behind it (each read waits for what is not there yet)."""
+
+    def __init__(self):
+        self.file = tempfile.TemporaryFile()
+        self.fd = self.file.fileno()
+        self.size = self.pos = 0
+        self.ended = self.stopped = False
+        self.cond = threading.Condition()
+
+    def append(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+        with self.cond:
+            self.size += len(data)
+            self.cond.notify()
+
+    def end(self, stopped: bool = False) -> None:
+        with self.cond:
+            self.ended = True
+            self.stopped = self.stopped or stopped
+            self.cond.notify()
+
+    def read(self, n: int = -1) -> bytes:
+        with self.cond:
+            while self.pos >= self.size and not self.ended:
+                self.cond.wait()
+            if self.stopped:
+                raise _Stopped()
+            n = self.size - self.pos if n < 0 else min(n, self.size - self.pos)
+        data = os.pread(self.fd, n, self.pos) if n else b""
+        self.pos += len(data)
+        return data
+
+
+class _FdWriter:
+    """Writes go straight to `fd`, whole (stdout: a pipe takes a part at a time)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+        return len(data)
+
+
+def _retar(src, top: str, fd: int) -> None:
+    """The tar read from `src` (the daemon's: "." its top, the rest below
+    it) written to `fd`, each entry checked again as download_dir checks it
+    and renamed below `top` ("" keeps the names)."""
+    seen = tarsafe.Seen(1 << 62, 1 << 62)           # the daemon counted them against its limits
+    with tarfile.open(fileobj=src, mode="r|", encoding="utf-8", errors="surrogateescape") as tin, \
+            tarfile.open(fileobj=_FdWriter(fd), mode="w|", format=tarfile.PAX_FORMAT, encoding="utf-8",
+                         errors="surrogateescape") as tout:
+        for m in tin:
+            rel = tarsafe.check(m, seen)
+            m.name = posixpath.join(top, rel) if top else rel or "."
+            if m.islnk():
+                m.linkname = posixpath.join(top, tarsafe.entry_name(m.linkname))
+            m.pax_headers = {}              # its old path would name it still; the writer adds what it needs
+            tout.addfile(m, tin.extractfile(m) if m.isreg() else None)
+
+
+async def tar_to_fd(sb, path: str, top: str, fd: int = 1) -> dict:
+    """Directory `path` of sandbox `sb` as a tar on `fd` (its entries below
+    `top`, the directory's own entry `top` itself), written while it comes;
+    the daemon's result (count, bytes, skipped). A failure after some of it
+    was written leaves a tar without its end on `fd`, which a reader says
+    is cut short."""
+    spool = _Spool()
+    writer = asyncio.ensure_future(in_a_thread_of_its_own(_retar, spool, top, fd))
+
+    async def download() -> dict:
+        async with contextlib.aclosing(sb.client.frames("file_tar_get", sandbox=sb.id, path=path)) as frames:
+            async for frame in frames:
+                if "__result__" in frame:
+                    return frame["__result__"]
+                spool.append(frame["data"])
+        raise ConnectionError("file_tar_get: no final frame")
+
+    def writer_done(f: asyncio.Future) -> None:
+        spool.file.close()          # its thread no longer reads it
+        if not f.cancelled():
+            f.exception()           # taken: one the copy's own error stands in front of is no news
+
+    writer.add_done_callback(writer_done)
+    fetch = asyncio.ensure_future(download())
+    try:
+        await asyncio.wait([fetch, writer], return_when=asyncio.FIRST_EXCEPTION)
+        if writer.done() and writer.exception() is not None:
+            raise writer.exception()        # stdout closed (BrokenPipeError), or a refused entry
+        result = await fetch
+        spool.end()
+        await writer
+        return result
+    except BaseException:
+        spool.end(stopped=True)
+        fetch.cancel()
+        with contextlib.suppress(BaseException):
+            await fetch
+        raise
