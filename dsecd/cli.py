@@ -1579,7 +1579,8 @@ async def _cp(c: Client, a) -> int:
         if src == "-" and await _remote_dir(sb, dst, follow=True):
             # As docker cp - takes it: a tar stream, its entries merged into the directory.
             try:
-                return await _cp_merged(a, sb, src, dst, upload=True, tar=cptar.decompressed(_stdin_chunks()))
+                return await _cp_merged(a, sb, src, dst, upload=True,
+                                        tar=cptar.batched(cptar.decompressed(_stdin_chunks())))
             except BadRequest as err:
                 if "not a valid archive" not in err.message:
                     raise

@@ -257,6 +257,14 @@ async def _reader_pieces(reader, size: int, what: str) -> AsyncIterator[bytes]:
             return
 
 
+async def _as_they_come(chunks, size: int) -> AsyncIterator[bytes | bytearray | memoryview]:
+    """An async iterable's chunks as they come, none empty, one past `size` in pieces of it."""
+    async for got in chunks:
+        got = file_data(got, "upload_tar")
+        for start in range(0, len(got), size):
+            yield got[start:start + size]
+
+
 async def _regrouped(chunks, size: int, what: str) -> AsyncIterator[bytes]:
     """An async iterable's chunks of any size as pieces of `size` bytes."""
     buf, given = bytearray(), False
@@ -2225,9 +2233,14 @@ class Sandbox:
     async def _feed_tar(self, rid: int, sent: asyncio.Event, fileobj, chunk: int,
                         failed: list[Exception] | None = None) -> None:
         """The tar, a chunk per file_tar_input; the last one says eof. A
-        read that fails goes into `failed`, and cancels the put."""
+        read that fails goes into `failed`, and cancels the put. A file is
+        read a whole chunk at a time; an async iterable's pieces go as they
+        come (one past a chunk split), then an empty eof: a stream that
+        trickles in is not held back until a chunk fills, which the daemon
+        would take for a client that sends nothing (limits.frame_timeout_s)."""
         await sent.wait()          # the inputs must follow their put on the wire
-        pieces = file_pieces(fileobj, chunk, "upload_tar")
+        streamed = hasattr(fileobj, "__aiter__")
+        pieces = _as_they_come(fileobj, chunk) if streamed else file_pieces(fileobj, chunk, "upload_tar")
         try:
             while True:
                 try:
@@ -2241,7 +2254,7 @@ class Sandbox:
                         failed.append(err)
                     await _cancel(self.client, rid)
                     return
-                last = len(data) < chunk
+                last = not data if streamed else len(data) < chunk
                 await self.client.request("file_tar_input", put_id=rid, data=data, eof=last)
                 if last:
                     return

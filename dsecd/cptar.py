@@ -30,6 +30,8 @@ from . import tarsafe
 from .errors import BadRequest
 
 PIECE = 1 << 20          # the most decompressed bytes made from one step
+BATCH = 4 << 20          # stdin's tar sent in pieces of this (limits.max_file_chunk_bytes' default)...
+PATIENCE = 1.0           # ...or of what came in this many seconds, if less
 
 # The first bytes of the compressed streams a tar may come in, and what undoes them.
 _FORMATS = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
@@ -106,6 +108,46 @@ async def decompressed(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         for out in undo.feed(chunk):
             yield out
     undo.end()
+
+
+async def batched(chunks: AsyncIterator[bytes], size: int = BATCH, patience: float = PATIENCE) -> AsyncIterator[bytes]:
+    """`chunks` gathered into pieces of `size` bytes (a pipe's reads are
+    64K: one frame each would cost a round trip each), but never held for
+    more than `patience` seconds once some are waiting: a stream that
+    trickles in still reaches the daemon, which drops a copy that sends
+    nothing for limits.frame_timeout_s."""
+    loop = asyncio.get_running_loop()
+    it = aiter(chunks)
+    buf = bytearray()
+    since = 0.0                 # when the oldest byte in buf came
+    nxt: asyncio.Future | None = None
+    try:
+        while True:
+            if nxt is None:
+                nxt = asyncio.ensure_future(anext(it))
+            if buf:
+                done, _ = await asyncio.wait([nxt], timeout=max(0.0, since + patience - loop.time()))
+                if not done:
+                    yield bytes(buf)
+                    buf.clear()
+                    continue
+            try:
+                got = await nxt
+            except StopAsyncIteration:
+                nxt = None
+                break
+            nxt = None
+            if not buf:
+                since = loop.time()
+            buf += got
+            while len(buf) >= size:
+                yield bytes(buf[:size])
+                del buf[:size]
+        if buf:
+            yield bytes(buf)
+    finally:
+        if nxt is not None:
+            nxt.cancel()
 
 
 async def in_a_thread_of_its_own(fn, *args):

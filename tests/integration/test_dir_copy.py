@@ -525,3 +525,41 @@ def test_cli_cp_stdin_interrupted_leaves_nothing(daemon, box):
         p.wait()
     assert leftovers(box, "/work/in") == [] and sorted(e["name"] for e in box.list_files("/work/in")) == \
         ["empty", "keep"]
+
+
+def test_cli_cp_stdin_that_trickles_in_is_not_taken_for_a_stalled_one(daemon_factory, busybox_rootfs):
+    """`ssh host tar -c dir | dsec cp - SB:/dir` over a slow link: what
+    came goes on to the daemon, which drops a copy that sends nothing
+    for limits.frame_timeout_s, rather than waiting for a whole chunk."""
+    import subprocess
+    import time
+
+    from conftest import VENV_BIN
+
+    d = daemon_factory("[limits]\nframe_timeout_s = 3\n")
+    c = d.client()
+    try:
+        c.import_image(busybox_rootfs, "busybox")
+        sb = c.create(image="busybox", memory="256M")
+        sb.exec(["mkdir", "/work"])
+        data = tar_of(*(({"name": f"f{i}"}, os.urandom(16 << 10)) for i in range(64))).getvalue()
+        p = subprocess.Popen([str(VENV_BIN / "dsec"), "--socket", d.socket, "cp", "-", f"{sb.id}:/work"],
+                             stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            step = len(data) // 16 + 1
+            for start in range(0, len(data), step):     # 16 pieces over 8 s: far less than a chunk in 3 s
+                try:
+                    p.stdin.write(data[start:start + step])
+                except BrokenPipeError:
+                    raise AssertionError(p.stderr.read()) from None
+                p.stdin.flush()
+                time.sleep(0.5)
+            p.stdin.close()
+            assert p.wait(60) == 0, p.stderr.read()
+        finally:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        assert len(sb.list_files("/work")) == 64
+    finally:
+        c.close()
