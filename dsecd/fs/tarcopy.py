@@ -10,7 +10,8 @@ removed, so a refused or broken copy leaves nothing. File bytes go through
 files.write_regular.
 
 Out of the sandbox (`TreeTar`): a tar of the tree, walked with
-O_NOFOLLOW fds: symlinks are stored as symlinks, never followed; FIFOs,
+O_NOFOLLOW fds: symlinks are stored as symlinks, never followed, and a
+file's further names as hard links to its first; FIFOs,
 sockets, devices and kernel filesystems are skipped and listed in the result.
 All functions block: run them in a worker, as the sandbox's root.
 """
@@ -200,6 +201,7 @@ class TreeTar:
         self.entries = 0
         self.bytes = 0
         self.skipped: list[dict] = []
+        self._links: dict[tuple[int, int], str] = {}       # (dev, ino) of a file with more names -> its first
         self._buf = bytearray()
         self._gen = self._blocks()
 
@@ -323,6 +325,15 @@ class TreeTar:
                 self.skipped.append({"path": rel, "type": "file", "reason": f"on {kind}, a kernel interface"
                                      if kind else "replaced while copied"})
                 return
+            if st.st_nlink > 1:
+                # A file with more than one name comes once; its other names
+                # are hard links to the first, as tar(1) and docker cp give them.
+                first = self._links.get((st.st_dev, st.st_ino))
+                if first is not None:
+                    self._count(rel, 0)
+                    yield self._header(rel, st, tarfile.LNKTYPE, link=first)
+                    return
+                self._links[(st.st_dev, st.st_ino)] = rel
             self._count(rel, st.st_size)
             yield self._header(rel, st, tarfile.REGTYPE, size=st.st_size)
             left = st.st_size

@@ -563,3 +563,17 @@ def test_cli_cp_stdin_that_trickles_in_is_not_taken_for_a_stalled_one(daemon_fac
         assert len(sb.list_files("/work")) == 64
     finally:
         c.close()
+
+
+def test_hard_links_come_out_of_a_container_as_hard_links(daemon, box, tmp_path):
+    """A file with two names in the sandbox comes out once, its second name
+    a link to it (one copy of its bytes), as tar(1) and docker cp give it."""
+    box.exec(["sh", "-c", "mkdir -p /work/h/sub && dd if=/dev/urandom of=/work/h/a bs=1k count=64 2>/dev/null "
+                          "&& ln /work/h/a /work/h/sub/b && echo solo > /work/h/c"])
+    r = box.download_dir("/work/h", str(tmp_path / "h"))
+    assert r["bytes"] == (64 << 10) + 5
+    assert os.stat(tmp_path / "h" / "a").st_ino == os.stat(tmp_path / "h" / "sub" / "b").st_ino
+    out = daemon.cli("cp", f"{box.id}:/work/h", "-")
+    assert out.returncode == 0, out.stderr
+    links = [(m.name, m.linkname) for m in tarfile.open(fileobj=io.BytesIO(out.stdout)) if m.islnk()]
+    assert links == [("h/sub/b", "h/a")]
