@@ -1440,6 +1440,9 @@ async def _cp_tar_out(c: Client, a, sb_id: str, src: str) -> int:
     if a.json:
         raise UsageError(f"dsec cp: --json: stdout carries the tar of {sb_id}:{src}; drop --json (what "
                          "was left out is said on stderr)")
+    if os.isatty(1):        # as tar(1) refuses: the bytes would garble the terminal
+        raise UsageError(f"dsec cp: {sb_id}:{src} is a directory, and stdout is a terminal: not writing a tar "
+                         "there; redirect it (> dir.tar) or pipe it (| tar -x)")
     sb = await c.get(sb_id)
     top = "" if _contents_of(src) else posixpath.basename(posixpath.normpath(src))
     r = await cptar.tar_to_fd(sb, src if src.endswith("/") else src + "/", top)     # a symlink: what it leads to
@@ -1578,6 +1581,10 @@ async def _cp(c: Client, a) -> int:
         sb = await c.get(dst_sb)
         if src == "-" and await _remote_dir(sb, dst, follow=True):
             # As docker cp - takes it: a tar stream, its entries merged into the directory.
+            if os.isatty(0):
+                raise UsageError(f"dsec cp: {dst} is a directory, which takes a tar on stdin, and stdin is a "
+                                 "terminal: pipe the tar in (tar -cf - . | dsec cp - SB:/dir), or name a file "
+                                 f"(SB:{dst.rstrip('/')}/NAME)")
             try:
                 return await _cp_merged(a, sb, src, dst, upload=True,
                                         tar=cptar.batched(cptar.decompressed(_stdin_chunks())))

@@ -577,3 +577,25 @@ def test_hard_links_come_out_of_a_container_as_hard_links(daemon, box, tmp_path)
     assert out.returncode == 0, out.stderr
     links = [(m.name, m.linkname) for m in tarfile.open(fileobj=io.BytesIO(out.stdout)) if m.islnk()]
     assert links == [("h/sub/b", "h/a")]
+
+
+def test_cli_cp_takes_no_tar_from_a_terminal_nor_writes_one_to_it(daemon, box):
+    """As tar(1) refuses to: a tar on a terminal is noise, and one to be
+    typed in would wait for it."""
+    import subprocess
+
+    from conftest import VENV_BIN
+
+    leader, follower = os.openpty()
+    try:
+        dsec = [str(VENV_BIN / "dsec"), "--socket", daemon.socket, "cp"]
+        out = subprocess.run([*dsec, f"{box.id}:/work/in", "-"], stdout=follower, stderr=subprocess.PIPE,
+                             timeout=60)
+        assert out.returncode == 2 and b"stdout is a terminal: not writing a tar there" in out.stderr, out.stderr
+        into = subprocess.run([*dsec, "-", f"{box.id}:/work/in"], stdin=follower, stderr=subprocess.PIPE,
+                              timeout=60)
+        assert into.returncode == 2 and b"stdin is a terminal" in into.stderr, into.stderr
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert sorted(e["name"] for e in box.list_files("/work/in")) == ["empty", "keep"]
