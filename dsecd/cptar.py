@@ -8,8 +8,10 @@ arrives, never spooled. Out of one, the daemon's tar of the tree
 (file_tar_get) is spooled to a temporary file as download_dir spools it,
 and written out again while it arrives, its entries renamed below the
 source's base name as docker names them; it is read from the spool, so a
-reader slower than the daemon holds up nothing but disk. In memory: one
-chunk (limits.max_file_chunk_bytes) and tarfile's buffers, either way.
+reader slower than the daemon holds up nothing but disk. In memory, either
+way, a few chunks at most: in, a BATCH being gathered, the piece being
+sent and a PIECE of decompressed bytes; out, one frame of the daemon's
+(limits.max_file_chunk_bytes) and tarfile's buffers.
 """
 
 from __future__ import annotations
