@@ -31,7 +31,8 @@ class LocalCopyError(ValueError):
 
 def pack(top: str, out) -> int:
     """Write a tar of directory `top` to binary file `out`; the number of entries.
-    Symlinks are stored as symlinks; FIFOs, sockets and devices are refused
+    Symlinks are stored as symlinks, a file's further names in the tree as
+    hard links to the first; FIFOs, sockets and devices are refused
     (LocalCopyError, as a `top` that is not a directory; FileNotFoundError:
     there is none)."""
     if not os.path.lexists(top):
@@ -62,9 +63,7 @@ def _info(tf: tarfile.TarFile, path: str, rel: str) -> tarfile.TarInfo:
     if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
         raise LocalCopyError(f"{path} is not a file, directory or symlink (a FIFO, socket or device): "
                              "it cannot be copied; remove it or copy the files around it")
-    info = tf.gettarinfo(path, rel)
-    if info.islnk():                # a second name of a file: copied as a file of its own
-        info.type, info.linkname, info.size = tarfile.REGTYPE, "", st.st_size
+    info = tf.gettarinfo(path, rel)         # a file's second name: a hard link to its first, as tar(1) has it
     info.mode &= tarsafe.KEPT_MODE
     info.uid = info.gid = 0
     info.uname = info.gname = ""

@@ -599,3 +599,16 @@ def test_cli_cp_takes_no_tar_from_a_terminal_nor_writes_one_to_it(daemon, box):
         os.close(leader)
         os.close(follower)
     assert sorted(e["name"] for e in box.list_files("/work/in")) == ["empty", "keep"]
+
+
+def test_hard_links_go_into_a_sandbox_as_hard_links(sandbox, tmp_path):
+    """upload_dir (dsec cp -r) sends a file with two names once, its
+    second name a link to the first, as the daemon makes it."""
+    src = tmp_path / "h"
+    (src / "sub").mkdir(parents=True)
+    (src / "a").write_bytes(os.urandom(64 << 10))
+    os.link(src / "a", src / "sub" / "b")
+    r = sandbox.upload_dir(str(src), "/work/h")
+    assert r["count"] == 4 and r["bytes"] == 64 << 10
+    inodes = sandbox.exec(["stat", "-c", "%i", "/work/h/a", "/work/h/sub/b"]).stdout.split()
+    assert len(inodes) == 2 and inodes[0] == inodes[1]
