@@ -377,9 +377,18 @@ def test_a_cancelled_download_has_left_nothing_when_its_cancel_returns(daemon, c
 
 # ------------------------------------------------------------ dsec cp -: a tar on stdin or stdout
 
+@pytest.fixture(params=BACKENDS)
+def box(request, client):
+    """A sandbox whose /work/in holds two files (dsec cp - makes and reads the tar on the client; the
+    daemon's side is the one above)."""
+    setup = "rm -rf /work /inside && mkdir -p /work/in && echo kept > /work/in/keep && echo old > /work/in/empty"
+    for sb in sandbox_on(request.param, request, client, setup):
+        sb.exec(["sh", "-c", setup])            # a new container's too
+        yield sb
+
+
 @pytest.fixture
-def box(client):
-    """A container (dsec cp - makes and reads the tar on the client; the daemon's side is the one above)."""
+def container(client):
     sb = client.create(image="busybox", memory="512M")
     sb.exec(["sh", "-c", "mkdir -p /work/in && echo kept > /work/in/keep && echo old > /work/in/empty"])
     yield sb
@@ -565,15 +574,15 @@ def test_cli_cp_stdin_that_trickles_in_is_not_taken_for_a_stalled_one(daemon_fac
         c.close()
 
 
-def test_hard_links_come_out_of_a_container_as_hard_links(daemon, box, tmp_path):
+def test_hard_links_come_out_of_a_container_as_hard_links(daemon, container, tmp_path):
     """A file with two names in the sandbox comes out once, its second name
     a link to it (one copy of its bytes), as tar(1) and docker cp give it."""
-    box.exec(["sh", "-c", "mkdir -p /work/h/sub && dd if=/dev/urandom of=/work/h/a bs=1k count=64 2>/dev/null "
+    container.exec(["sh", "-c", "mkdir -p /work/h/sub && dd if=/dev/urandom of=/work/h/a bs=1k count=64 2>/dev/null "
                           "&& ln /work/h/a /work/h/sub/b && echo solo > /work/h/c"])
-    r = box.download_dir("/work/h", str(tmp_path / "h"))
+    r = container.download_dir("/work/h", str(tmp_path / "h"))
     assert r["bytes"] == (64 << 10) + 5
     assert os.stat(tmp_path / "h" / "a").st_ino == os.stat(tmp_path / "h" / "sub" / "b").st_ino
-    out = daemon.cli("cp", f"{box.id}:/work/h", "-")
+    out = daemon.cli("cp", f"{container.id}:/work/h", "-")
     assert out.returncode == 0, out.stderr
     links = [(m.name, m.linkname) for m in tarfile.open(fileobj=io.BytesIO(out.stdout)) if m.islnk()]
     assert links == [("h/sub/b", "h/a")]
