@@ -1,0 +1,81 @@
+"""dsec cp -'s stdin side (dsecd/cptar.py): a compressed tar undone a piece
+at a time, and stdin's reads gathered into frames without holding a slow
+stream back (no daemon)."""
+
+from __future__ import annotations
+
+import asyncio
+import bz2
+import gzip
+import lzma
+import os
+
+import pytest
+
+from dsecd import cptar
+from dsecd.errors import BadRequest
+
+
+async def _chunks(data: bytes, step: int):
+    for start in range(0, len(data), step):
+        yield data[start:start + step]
+
+
+def _undone(data: bytes, step: int = 1000) -> list[bytes]:
+    async def run() -> list[bytes]:
+        return [piece async for piece in cptar.decompressed(_chunks(data, step))]
+
+    return asyncio.run(run())
+
+
+TAR_LIKE = os.urandom(50_000) + b"\0" * 100_000
+
+
+@pytest.mark.parametrize("compress", [gzip.compress, lzma.compress, bz2.compress, lambda d: d],
+                         ids=["gzip", "xz", "bzip2", "plain"])
+def test_each_form_comes_out_as_the_bytes_it_holds(compress):
+    assert b"".join(_undone(compress(TAR_LIKE))) == TAR_LIKE
+
+
+@pytest.mark.parametrize("compress", [gzip.compress, bz2.compress, lzma.compress], ids=["gzip", "bzip2", "xz"])
+def test_streams_one_after_another_are_undone_in_turn(compress):
+    """pigz, pbzip2, cat a.gz b.gz: one stream after the other."""
+    assert b"".join(_undone(compress(b"first ") + compress(b"second"), step=7)) == b"first second"
+
+
+def test_what_a_little_gzip_stands_for_comes_in_bounded_pieces():
+    pieces = _undone(gzip.compress(b"\0" * (20 << 20)), step=1 << 20)
+    assert sum(map(len, pieces)) == 20 << 20 and max(map(len, pieces)) <= cptar.PIECE
+
+
+@pytest.mark.parametrize("compress,name", [(gzip.compress, "gzip"), (lzma.compress, "xz"), (bz2.compress, "bzip2")])
+def test_a_compressed_stream_cut_short_is_said_to_be(compress, name):
+    with pytest.raises(BadRequest, match=f"stdin's {name} stream ends before its end"):
+        _undone(compress(TAR_LIKE)[:-30])
+
+
+def test_zstd_is_named_and_refused():
+    with pytest.raises(BadRequest, match="zstd-compressed stream, which dsec cp does not undo"):
+        _undone(b"\x28\xb5\x2f\xfd" + b"\0" * 100)
+
+
+def _batches(pieces, size: int, patience: float, pause: float = 0.0) -> list[bytes]:
+    async def source():
+        for i, piece in enumerate(pieces):
+            if i and pause:
+                await asyncio.sleep(pause)
+            yield piece
+
+    async def run() -> list[bytes]:
+        return [b async for b in cptar.batched(source(), size, patience)]
+
+    return asyncio.run(run())
+
+
+def test_reads_are_gathered_into_whole_batches():
+    assert _batches([b"a" * 3, b"b" * 4, b"c" * 5], size=5, patience=60) == [b"aaabb", b"bbccc", b"cc"]
+
+
+def test_a_stream_that_trickles_in_is_not_held_back_for_a_batch():
+    """What came goes on once it waited `patience`, though the batch is not full."""
+    assert _batches([b"a", b"b", b"c"], size=1 << 20, patience=0.01, pause=0.3) == [b"a", b"b", b"c"]
