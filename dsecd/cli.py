@@ -45,6 +45,7 @@ import signal
 import stat
 import sys
 import tarfile
+import tempfile
 import termios
 import time
 import tty
@@ -1450,6 +1451,33 @@ async def _cp_tar_out(c: Client, a, sb_id: str, src: str) -> int:
     return 0
 
 
+async def _cp_file_tar_out(c: Client, a, sb_id: str, src: str) -> int:
+    """`dsec cp --tar SB:/file -`: a tar of the one file (a symlink: what it
+    leads to, as a plain copy follows one), named by its base name, with its
+    permission bits and mtime, as docker cp gives it. The file is spooled
+    first (to $TMPDIR, never all in memory), so that the size its header
+    says is the size that follows, whatever the sandbox does meanwhile."""
+    if a.json or os.isatty(1):
+        raise UsageError(f"dsec cp: --tar: stdout carries the tar of {sb_id}:{src}: not with --json, nor onto "
+                         "a terminal; redirect it (> file.tar) or pipe it (| tar -x)")
+    sb = await c.get(sb_id)
+    st = await sb.stat(src)
+    if st["type"] == "symlink":
+        with contextlib.suppress(BadRequest):       # a microVM's stat does not follow: a new file's mode
+            st = await sb.stat(src, follow=True)
+    with tempfile.TemporaryFile() as spool:
+        async with contextlib.aclosing(sb.read_chunks(src)) as chunks:
+            async for piece in chunks:
+                spool.write(piece)
+        info = tarfile.TarInfo(posixpath.basename(src.rstrip("/")))
+        info.size = spool.tell()
+        info.mode = st["mode"] & 0o777 if st["type"] == "file" else 0o644
+        info.mtime = int(st.get("mtime") or time.time())
+        spool.seek(0)
+        await _in_a_thread_of_its_own(cptar.one_file_tar, info, spool)
+    return 0
+
+
 def _landing_name() -> str:
     """A name of this client's own, beside what a copy lands on, for the
     copy to arrive whole under before it moves into place."""
@@ -1564,8 +1592,12 @@ async def _cp(c: Client, a) -> int:
     if a.owner is not None and src_sb is not None:
         raise UsageError("dsec cp: --owner gives what a copy into a sandbox makes to a user of the sandbox; "
                          "a copy out of one belongs to whoever runs dsec")
+    if getattr(a, "tar", False) and (dst if src_sb is not None else src) != "-":
+        raise UsageError("dsec cp: --tar goes with '-': dsec cp --tar SB:/path - or dsec cp --tar - SB:/dir")
     if src_sb is not None and dst == "-" and await _tar_source(c, src_sb, src):
         return await _cp_tar_out(c, a, src_sb, src)
+    if src_sb is not None and dst == "-" and getattr(a, "tar", False):
+        return await _cp_file_tar_out(c, a, src_sb, src)
     if src_sb is not None and dst != "-" and _keeps_links(a) and await _cp_link_out(c, a, src_sb, src, dst):
         return 0
     if src_sb is None and _keeps_links(a) and await _cp_link_in(c, a, src, dst_sb, dst):
@@ -1594,6 +1626,9 @@ async def _cp(c: Client, a) -> int:
                 raise BadRequest(f"{err.message} (stdin into a directory is a tar, as docker cp - takes it; "
                                  f"name a file to write stdin's bytes to: SB:{dst.rstrip('/')}/NAME)",
                                  err.detail) from None
+        if getattr(a, "tar", False):
+            raise UsageError(f"dsec cp: {dst}: no such directory; a tar goes into a directory that exists, as "
+                             "docker cp - requires")
         dst = await _cp_remote_target(sb, src, dst)
         # Streamed, never all in memory; atomic: a failed copy leaves nothing.
         if src == "-":

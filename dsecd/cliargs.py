@@ -475,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("-P", "--no-dereference", action="store_true",
                     help="a SOURCE that is a symlink is copied as a symlink (as with -r); without -r or -P "
                          "a plain copy follows it (out of a sandbox: inside the sandbox)")
+    cp.add_argument("--tar", action="store_true",
+                    help="with '-', always a tar, as docker cp - has it: SB:/file - writes a tar of the one file "
+                         "(without: its bytes); - SB:/dir requires a directory that exists")
     cp.add_argument("--owner", metavar="USER",
                     help="into a sandbox: who what the copy makes belongs to, a uid, NAME, UID:GID or NAME:GROUP "
                          "of the sandbox (default: its root, as docker cp gives it)")

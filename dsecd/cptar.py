@@ -247,6 +247,13 @@ def _retar(src, top: str, fd: int) -> None:
             tout.addfile(m, tin.extractfile(m) if m.isreg() else None)
 
 
+def one_file_tar(info: tarfile.TarInfo, fileobj, fd: int = 1) -> None:
+    """A tar of the one entry `info`, its bytes read from `fileobj`, written to `fd`."""
+    with tarfile.open(fileobj=_FdWriter(fd), mode="w|", format=tarfile.PAX_FORMAT, encoding="utf-8",
+                      errors="surrogateescape") as tout:
+        tout.addfile(info, fileobj)
+
+
 async def tar_to_fd(sb, path: str, top: str, fd: int = 1) -> dict:
     """Directory `path` of sandbox `sb` as a tar on `fd` (its entries below
     `top`, the directory's own entry `top` itself), written while it comes;

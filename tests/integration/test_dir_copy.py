@@ -621,3 +621,25 @@ def test_hard_links_go_into_a_sandbox_as_hard_links(sandbox, tmp_path):
     assert r["count"] == 4 and r["bytes"] == 64 << 10
     inodes = sandbox.exec(["stat", "-c", "%i", "/work/h/a", "/work/h/sub/b"]).stdout.split()
     assert len(inodes) == 2 and inodes[0] == inodes[1]
+
+
+def test_cli_cp_tar_gives_a_files_tar_as_docker_cp_does(daemon, box, tmp_path):
+    """`docker cp C:/file - | tar -x` takes a tar of the file: --tar gives
+    one (without it, '-' gives the file's bytes); into a path that is no
+    directory, --tar says so rather than writing the tar as a file."""
+    box.exec(["sh", "-c", "chmod 640 /work/in/keep && ln -s keep /work/in/link"])
+    for name in ("keep", "link"):           # a symlink: what it leads to, as a plain copy follows it
+        r = daemon.cli("cp", "--tar", f"{box.id}:/work/in/{name}", "-")
+        assert r.returncode == 0, r.stderr
+        [m] = tarfile.open(fileobj=io.BytesIO(r.stdout)).getmembers()
+        assert (m.name, m.isreg(), m.size) == (name, True, 5)
+        if box.inspect()["backend"] == "container":     # a microVM's stat does not follow a link
+            assert stat.S_IMODE(m.mode) == 0o640
+    untar(r.stdout, tmp_path / "x")
+    assert (tmp_path / "x" / "link").read_bytes() == b"kept\n"
+    r = daemon.cli("cp", f"{box.id}:/work/in/keep", "-")
+    assert r.returncode == 0 and r.stdout == b"kept\n"
+    r = daemon.cli("cp", "--tar", "-", f"{box.id}:/work/in/new", input=tar_of(OK_FILE).getvalue())
+    assert r.returncode == 2 and b"no such directory" in r.stderr and not box.exists("/work/in/new")
+    r = daemon.cli("cp", "--tar", str(tmp_path / "x"), f"{box.id}:/work/in")
+    assert r.returncode == 2 and b"--tar goes with '-'" in r.stderr
