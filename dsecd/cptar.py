@@ -271,13 +271,18 @@ async def tar_to_fd(sb, path: str, top: str, fd: int = 1) -> dict:
                 spool.append(frame["data"])
         raise ConnectionError("file_tar_get: no final frame")
 
-    def writer_done(f: asyncio.Future) -> None:
-        spool.file.close()          # its thread no longer reads it
+    users = [2]
+
+    def done(f: asyncio.Future) -> None:
         if not f.cancelled():
             f.exception()           # taken: one the copy's own error stands in front of is no news
+        users[0] -= 1
+        if not users[0]:            # neither the writer's thread reads it nor the download writes it
+            spool.file.close()
 
-    writer.add_done_callback(writer_done)
+    writer.add_done_callback(done)
     fetch = asyncio.ensure_future(download())
+    fetch.add_done_callback(done)
     try:
         await asyncio.wait([fetch, writer], return_when=asyncio.FIRST_EXCEPTION)
         if writer.done() and writer.exception() is not None:
