@@ -2789,8 +2789,12 @@ fail:
  * layer from it (dsecd/fs/uppertar.py). What overlayfs keeps there goes
  * as it is: whiteouts (0:0 character devices) and opaque directories (the
  * xattr trusted.overlay.opaque). Other xattrs: user.* and
- * security.capability. Hard links go as separate files; sockets and
- * devices other than whiteouts are skipped (counted). Every process but
+ * security.capability. A file, FIFO or symlink of more than one link goes
+ * whole under the first of its names the walk meets and as a tar hard link
+ * ('1') to that name under every other, so the layer keeps one inode and its
+ * link count, as mkfs.erofs keeps those of a container's upper dir (whiteouts
+ * are not grouped: overlayfs makes them links of one shared inode). Sockets
+ * and devices other than whiteouts are skipped (counted). Every process but
  * this one is stopped meanwhile (SIGSTOP to all, SIGCONT after), so the
  * tree does not change under the walk. */
 
@@ -2803,6 +2807,13 @@ struct tarw {
     int outfd;          /* >= 0: the bytes go there (a directory copy's stdout), not in DATA frames */
     int copy;           /* a directory copy (tar_get_main): its rules, not the writable layer's */
     uint64_t max_entries, copied; /* a copy's limit and its entries (headers, pax ones too, are `entries`) */
+    struct tar_link *links; /* the writable layer's inodes of several links: their first name sent */
+    size_t nlinks, links_cap; /* an open-addressed table, a power of two, at most half full */
+};
+
+struct tar_link {
+    ino_t ino;
+    char *name; /* NULL: a free slot */
 };
 
 #define TAR_FRAME (256u << 10)
@@ -2951,18 +2962,81 @@ static void tar_xattrs(int fd, struct buf *pax)
 
 static int tar_tree(struct tarw *t, int dfd, const char *prefix);
 
+static size_t link_slot(const struct tar_link *links, size_t cap, ino_t ino)
+{
+    size_t i = (size_t)(ino * 0x9e3779b97f4a7c15ull) & (cap - 1);
+
+    while (links[i].name && links[i].ino != ino)
+        i = (i + 1) & (cap - 1);
+    return i;
+}
+
+/* The name the layer's tar gave inode `ino` first, or NULL. (One file
+ * system: the upper dir is one tmpfs, so the inode number alone is the
+ * file.) */
+static const char *link_first(const struct tarw *t, ino_t ino)
+{
+    return t->links_cap ? t->links[link_slot(t->links, t->links_cap, ino)].name : NULL;
+}
+
+/* Remember `rel` as the name inode `ino` was sent under. Out of memory, it
+ * is not remembered: the inode's other names then go as copies of it, the
+ * layer's files whole but not linked. */
+static void link_remember(struct tarw *t, ino_t ino, const char *rel)
+{
+    if (2 * (t->nlinks + 1) > t->links_cap) {
+        size_t cap = t->links_cap ? 2 * t->links_cap : 256;
+        struct tar_link *links = calloc(cap, sizeof(*links));
+
+        if (!links)
+            return;
+        for (size_t i = 0; i < t->links_cap; i++)
+            if (t->links[i].name)
+                links[link_slot(links, cap, t->links[i].ino)] = t->links[i];
+        free(t->links);
+        t->links = links;
+        t->links_cap = cap;
+    }
+    size_t i = link_slot(t->links, t->links_cap, ino);
+    char *name = strdup(rel);
+
+    if (!name)
+        return;
+    t->links[i].ino = ino;
+    t->links[i].name = name;
+    t->nlinks++;
+}
+
+static void links_free(struct tarw *t)
+{
+    for (size_t i = 0; i < t->links_cap; i++)
+        free(t->links[i].name);
+    free(t->links);
+    t->links = NULL;
+    t->nlinks = t->links_cap = 0;
+}
+
 static int copy_entry(struct tarw *t, int dfd, const char *name, const char *rel);
 
 static int tar_entry(struct tarw *t, int dfd, const char *name, const char *rel)
 {
     struct stat st;
     struct buf pax = {0};
-    int fd = -1, rc = 0;
+    int fd = -1, rc = 0, linked, sent = 0;
 
     if (t->copy)
         return copy_entry(t, dfd, name, rel);
     if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0)
         return 0; /* gone meanwhile (nothing runs, but the kernel may) */
+    linked = st.st_nlink > 1 && (S_ISREG(st.st_mode) || S_ISFIFO(st.st_mode) || S_ISLNK(st.st_mode));
+    if (linked) {
+        const char *first = link_first(t, st.st_ino);
+
+        if (first) {
+            tar_header(t, rel, '1', &st, 0, first, NULL);
+            return 0;
+        }
+    }
     if (S_ISDIR(st.st_mode) || S_ISREG(st.st_mode)) {
         fd = openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | (S_ISDIR(st.st_mode) ? O_DIRECTORY : 0));
         if (fd < 0) {
@@ -2990,6 +3064,7 @@ static int tar_entry(struct tarw *t, int dfd, const char *name, const char *rel)
             rc = -1;
         } else {
             tar_header(t, rel, '0', &st, left, NULL, &pax);
+            sent = 1;
             while (left) {
                 ssize_t n = read(fd, chunk, left < sizeof(chunk) ? left : sizeof(chunk));
                 if (n <= 0) {
@@ -3010,14 +3085,18 @@ static int tar_entry(struct tarw *t, int dfd, const char *name, const char *rel)
         if (n >= 0) {
             target[n] = 0;
             tar_header(t, rel, '2', &st, 0, target, NULL);
+            sent = 1;
         }
     } else if (S_ISCHR(st.st_mode) && st.st_rdev == makedev(0, 0)) {
         tar_header(t, rel, '3', &st, 0, NULL, NULL); /* an overlay whiteout */
     } else if (S_ISFIFO(st.st_mode)) {
         tar_header(t, rel, '6', &st, 0, NULL, NULL);
+        sent = 1;
     } else {
         t->skipped++; /* sockets, devices */
     }
+    if (linked && sent)
+        link_remember(t, st.st_ino, rel);
     free(pax.p);
     if (fd >= 0)
         close(fd);
@@ -3085,6 +3164,7 @@ static void do_tar(uint32_t id, struct rd *r)
     }
     rc = tar_tree(&t, fd, "");
     kill(-1, SIGCONT);
+    links_free(&t);
     if (rc < 0) {
         int err = errno;
 

@@ -5,18 +5,21 @@ upper dir (images.snapshot: pack_diff).
 The guest's overlay keeps its upper dir in a tmpfs inside the guest; the
 agent walks it (csrc/guest/agent.c, M_TAR) and streams a POSIX tar of it:
 directories, regular files, symlinks, FIFOs, overlay whiteouts (0:0
-character devices), and as pax records the xattrs trusted.overlay.opaque
-(opaque directories), user.* and security.capability. Unpacked here as
-root into a fresh private directory, with owners, modes (setuid and setgid
-kept: an image layer's files are what the guest made), mtimes and those
-xattrs, so that erofs.build copies whiteouts and opaque directories as it
-does from a container's upper.
+character devices), hard links (each further name of a file, FIFO or
+symlink, as a link to its first name), and as pax records the xattrs
+trusted.overlay.opaque (opaque directories), user.* and
+security.capability. Unpacked here as root into a fresh private directory,
+with owners, modes (setuid and setgid kept: an image layer's files are what
+the guest made), mtimes, those xattrs and the links (one inode, its link
+count), so that erofs.build copies whiteouts, opaque directories and hard
+links as it does from a container's upper.
 
 The archive comes from a guest, which is not trusted: every name is checked
 (dsecd/tarsafe.py's entry_name: relative, no `..`, within PATH_MAX), no
-entry may go below a symlink or file of the archive, a name comes once, and
-devices other than whiteouts, sockets, hard links and sparse entries are
-refused. The directory is the daemon's own (0700 under the scratch dir), so
+entry may go below a symlink or file of the archive, a name comes once, a
+hard link names a file, FIFO or symlink the archive made before it (never
+a directory, a whiteout or a path of its own), and devices other than
+whiteouts, sockets and sparse entries are refused. The directory is the daemon's own (0700 under the scratch dir), so
 nothing else changes it meanwhile.
 """
 
@@ -42,6 +45,7 @@ def unpack(tar_path: Path, dest: Path, max_entries: int = 10_000_000) -> dict:
     dest = Path(dest)
     dirs: set[str] = {""}
     others: set[str] = set()            # files, symlinks, whiteouts, FIFOs: nothing goes below them
+    linkable: set[str] = set()          # files, symlinks, FIFOs: what a hard link may name
     dir_times: list[tuple[str, float]] = []
     entries = nbytes = 0
     with tarfile.open(tar_path, mode="r:", errorlevel=2) as tf:
@@ -51,6 +55,8 @@ def unpack(tar_path: Path, dest: Path, max_entries: int = 10_000_000) -> dict:
                 raise tarsafe.TooLarge(f"the writable layer has more than {max_entries} entries")
             rel = tarsafe.entry_name(m.name)
             path = dest / rel if rel else dest
+            if not rel and not m.isdir():
+                raise tarsafe.Refused(f"entry {m.name!r} names the layer's root but is not a directory")
             if rel:
                 _check_parents(m.name, rel, dirs, others)
                 if rel in dirs or rel in others:
@@ -60,24 +66,36 @@ def unpack(tar_path: Path, dest: Path, max_entries: int = 10_000_000) -> dict:
                     os.mkdir(path, 0o700)
                     dirs.add(rel)
                 dir_times.append((rel, m.mtime))
+            elif m.islnk():
+                target = tarsafe.entry_name(m.linkname)
+                if target not in linkable:
+                    raise tarsafe.Refused(f"entry {m.name!r} of the writable layer's tar is a hard link to "
+                                          f"{m.linkname!r}, not an earlier file, FIFO or symlink of the tar")
+                # The inode the first name made, with its owner, mode and
+                # xattrs: linkat without AT_SYMLINK_FOLLOW, so a symlink is
+                # linked itself, never what it points to.
+                os.link(dest / target, path, follow_symlinks=False)
+                others.add(rel)
+                continue
             elif m.isreg() and not m.issparse():
                 nbytes += _write_file(tf, m, path)
                 others.add(rel)
+                linkable.add(rel)
             elif m.issym():
                 os.symlink(m.linkname, path)
                 others.add(rel)
+                linkable.add(rel)
             elif m.ischr() and m.devmajor == 0 and m.devminor == 0:
                 os.mknod(path, stat.S_IFCHR | 0o000, os.makedev(0, 0))      # an overlay whiteout
                 others.add(rel)
             elif m.isfifo():
                 os.mkfifo(path, 0o600)
                 others.add(rel)
+                linkable.add(rel)
             else:
                 raise tarsafe.Refused(f"entry {m.name!r} of the writable layer's tar is of type {m.type!r} "
-                                      "(a device, hard link or sparse file); the guest agent sends only "
-                                      "directories, files, symlinks, FIFOs and whiteouts")
-            if not rel and not m.isdir():
-                raise tarsafe.Refused(f"entry {m.name!r} names the layer's root but is not a directory")
+                                      "(a device or sparse file); the guest agent sends only directories, "
+                                      "files, symlinks, FIFOs, hard links and whiteouts")
             _attributes(path, m)
     for rel, mtime in reversed(dir_times):     # children first: making them changed their parent's mtime
         os.utime(dest / rel if rel else dest, (mtime, mtime))

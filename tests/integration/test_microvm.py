@@ -159,30 +159,56 @@ def test_an_image_of_too_many_layers_is_refused_and_the_most_boot(vm_client, bus
         vm_client.request("image_rm", name="bb-over")
 
 
+# A walk of what a snapshot holds: per path its type, mode and owner, and but
+# for a directory (whose size and link count are its file system's) its link
+# count, size, content hash or link target and the first path of the walk
+# that is the same inode (hard links as groups).
+TREE = r"""
+for p in $(find /work /usr /etc /bin/busybox | sort); do
+  if [ -d "$p" ] && [ ! -L "$p" ]; then echo "$p $(stat -c '%a %u:%g' "$p") D"; continue; fi
+  if [ -L "$p" ]; then t="L $(readlink "$p")"; elif [ -p "$p" ]; then t=P;
+  else t="F $(md5sum < "$p" | cut -c1-32)"; fi
+  echo "$p $(stat -c '%a %u:%g %h %s %d:%i' "$p") $t"
+done | awk '$4 != "D" { if (!($6 in first)) first[$6] = $1; $6 = first[$6] } { print }'
+[ -e /bin/true ] || echo /bin/true gone
+"""
+
+
 def test_snapshot_of_a_vm_is_an_image_both_backends_run(vm_client):
     """pack_diff of a VM: its writable layer (a tmpfs in the guest) comes as
-    a tar from the agent and becomes a layer, with the overlay's deletions
-    (whiteouts) and replaced directories (opaque) as a container's would."""
+    a tar from the agent and becomes a layer with the tree as the guest had
+    it, as a container's would: the overlay's deletions (whiteouts) and
+    replaced directories (opaque), symlinks, FIFOs, empty directories,
+    modes (setuid, sticky), owners, contents, and hard links (of files,
+    FIFOs, symlinks) as one inode with its link count."""
     sb = _vm(vm_client)
     try:
-        sb.exec(["sh", "-c", "mkdir -p /work/d && echo hi > /work/d/f && ln -s d/f /work/link && "
-                 "cp /bin/busybox /work/suid && chmod 4755 /work/suid && rm /bin/true && "
-                 "rm -rf /usr && mkdir -p /usr/only && touch /usr/only/new && mkfifo /work/fifo"])
+        r = sb.exec(["sh", "-c", "set -e; mkdir -p /work/d && echo hi > /work/d/f && ln -s d/f /work/link && "
+                     "cp /bin/busybox /work/suid && chmod 4755 /work/suid && rm /bin/true && "
+                     "rm -rf /usr && mkdir -p /usr/only && touch /usr/only/new && mkfifo /work/fifo && "
+                     "ln /work/d/f /work/d/g && ln /work/d/f /work/h && ln /bin/busybox /work/bb && "
+                     "ln /work/fifo /work/fifo2 && ln /work/link /work/link2 && mkdir -m 1777 /work/empty && "
+                     "chown 1000:2000 /work/d && chown 33:44 /work/d/f && chmod 640 /work/d/f"])
+        assert r.exit_code == 0, r.stderr
+        tree = sb.exec(["sh", "-c", TREE]).stdout.decode()
         out = sb.snapshot("vm-snap")
         assert len(out["layers"]) == 2
     finally:
         sb.destroy()
-    script = ("cat /work/d/f; readlink /work/link; stat -c %a /work/suid; [ -e /bin/true ] || echo gone; "
-              "ls /usr; [ -p /work/fifo ] && echo fifo")
-    want = b"hi\nd/f\n4755\ngone\nonly\nfifo\n"
+    assert "/work/h 640 33:44 3 3 /work/d/f F" in tree and "/work/link2 777 0:0 2 3 /work/link L d/f" in tree
+    # overlayfs shows a copied-up file under the inode number of its lower
+    # file, so in the guest its new link looks like another inode; in the
+    # layer both names are the one inode they are in the upper dir.
+    assert "/work/bb 755 0:0 2 1982256 /work/bb F" in tree
+    want = tree.replace("/work/bb 755 0:0 2 1982256 /work/bb F", "/work/bb 755 0:0 2 1982256 /bin/busybox F")
     box = vm_client.create("vm-snap", memory="64M")
     try:
-        assert box.exec(["sh", "-c", script]).stdout == want
+        assert box.exec(["sh", "-c", TREE]).stdout.decode() == want
     finally:
         box.destroy()
     vm = vm_client.create("vm-snap", backend="microvm", memory="256M", net="none", disk="64M")
     try:
-        assert vm.exec(["sh", "-c", script]).stdout == want
+        assert vm.exec(["sh", "-c", TREE]).stdout.decode() == want
     finally:
         vm.destroy()
     vm_client.request("image_rm", name="vm-snap")

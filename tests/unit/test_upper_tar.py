@@ -1,0 +1,78 @@
+"""dsecd/fs/uppertar.py: a microVM's writable layer, as its guest agent's tar,
+unpacked into the directory the layer builder reads."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import tarfile
+
+import pytest
+
+from dsecd import tarsafe
+from dsecd.fs import uppertar
+
+
+def _entry(name: str, kind: bytes, data: bytes = b"", linkname: str = "", mode: int = 0o644) -> tuple:
+    m = tarfile.TarInfo(name)
+    m.type, m.mode, m.linkname, m.size = kind, mode, linkname, len(data)
+    return m, data
+
+
+def _tar(tmp_path, entries) -> str:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for m, data in entries:
+            tf.addfile(m, io.BytesIO(data) if data else None)
+    path = tmp_path / "upper.tar"
+    path.write_bytes(buf.getvalue())
+    return str(path)
+
+
+def _unpack(tmp_path, entries):
+    dest = tmp_path / "tree"
+    dest.mkdir()
+    return dest, uppertar.unpack(_tar(tmp_path, entries), dest)
+
+
+def test_hard_links_are_one_inode_with_its_link_count(tmp_path):
+    """The agent sends each further name of a file, FIFO or symlink as a tar
+    hard link to its first: unpacked, all the names are one inode."""
+    dest, out = _unpack(tmp_path, [
+        _entry("./", tarfile.DIRTYPE, mode=0o755),
+        _entry("d/", tarfile.DIRTYPE, mode=0o755),
+        _entry("d/f", tarfile.REGTYPE, b"shared", mode=0o640),
+        _entry("d/g", tarfile.LNKTYPE, linkname="d/f"),
+        _entry("h", tarfile.LNKTYPE, linkname="./d/f"),
+        _entry("s", tarfile.SYMTYPE, linkname="d/f"),
+        _entry("s2", tarfile.LNKTYPE, linkname="s"),
+        _entry("p", tarfile.FIFOTYPE),
+        _entry("p2", tarfile.LNKTYPE, linkname="p"),
+    ])
+    f, g, h = (os.lstat(dest / n) for n in ("d/f", "d/g", "h"))
+    assert f.st_ino == g.st_ino == h.st_ino and f.st_nlink == 3
+    assert stat.S_IMODE(h.st_mode) == 0o640 and (dest / "h").read_bytes() == b"shared"
+    s, s2 = os.lstat(dest / "s"), os.lstat(dest / "s2")
+    assert stat.S_ISLNK(s2.st_mode) and s.st_ino == s2.st_ino and s.st_nlink == 2
+    p, p2 = os.lstat(dest / "p"), os.lstat(dest / "p2")
+    assert stat.S_ISFIFO(p2.st_mode) and p.st_ino == p2.st_ino
+    assert out == {"entries": 9, "bytes": 6}
+
+
+@pytest.mark.parametrize("entries, why", [
+    ([_entry("h", tarfile.LNKTYPE, linkname="missing")], "not an earlier"),
+    ([_entry("d/", tarfile.DIRTYPE), _entry("h", tarfile.LNKTYPE, linkname="d")], "not an earlier"),
+    ([_entry("h", tarfile.LNKTYPE, linkname="../etc/passwd")], "'..'"),
+    ([_entry("h", tarfile.LNKTYPE, linkname="/etc/passwd")], "absolute"),
+    ([_entry("w", tarfile.CHRTYPE), _entry("h", tarfile.LNKTYPE, linkname="w")], "not an earlier"),
+    ([_entry("h", tarfile.LNKTYPE, linkname="h")], "not an earlier"),
+])
+def test_a_hard_link_to_anything_but_an_earlier_entry_is_refused(tmp_path, entries, why):
+    """A link may name only a file, FIFO or symlink the archive made before it
+    (not a directory, a whiteout, itself, or a path out of the layer)."""
+    dest = tmp_path / "tree"
+    dest.mkdir()
+    with pytest.raises(tarsafe.Refused, match=why):
+        uppertar.unpack(_tar(tmp_path, entries), dest)
+    assert not (dest / "h").exists()
