@@ -168,6 +168,11 @@ enum {
 static int chan = -1;   /* the virtio-serial port */
 static int rootfd = -1; /* O_PATH of the sandbox root, for openat2 */
 static int upperfd = -1; /* the overlay's upper dir (out of the sandbox's view after the switch), for M_TAR */
+/* The cgroup every process the agent starts joins (all the guest's processes
+ * but the agent), in a cgroup2 mount of the initramfs (out of the sandbox's
+ * view after the switch): its cgroup.procs, cgroup.freeze and cgroup.events,
+ * or -1 where it could not be made (M_TAR then stops processes by signals). */
+static int cg_procs = -1, cg_freeze = -1, cg_events = -1;
 
 static void say(const char *fmt, ...)
 {
@@ -1012,6 +1017,11 @@ static void __attribute__((noreturn, noinline)) child_main(const struct child *c
 
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
+    if (cg_procs >= 0) {
+        /* into the cgroup a snapshot freezes; its children follow */
+        ssize_t ignored = write(cg_procs, "0", 1);
+        (void)ignored;
+    }
     setsid();
     if (c->tty >= 0) {
         step = "terminal";
@@ -2795,8 +2805,8 @@ fail:
  * link count, as mkfs.erofs keeps those of a container's upper dir (whiteouts
  * are not grouped: overlayfs makes them links of one shared inode). Sockets
  * and devices other than whiteouts are skipped (counted). Every process but
- * this one is stopped meanwhile (SIGSTOP to all, SIGCONT after), so the
- * tree does not change under the walk. */
+ * this one is frozen meanwhile (hold_still), so the tree does not change
+ * under the walk. */
 
 struct tarw {
     uint32_t id;
@@ -3128,6 +3138,49 @@ static int tar_tree(struct tarw *t, int fd, const char *prefix)
     return rc;
 }
 
+/* Hold every process but the agent still while the writable layer is
+ * walked (on = 1) or let them go on (on = 0). By the cgroup freezer, as a
+ * container's snapshot freezes its cgroup: the processes see nothing (a
+ * stop by signal is seen by the process, a SIGCONT handler, its parent's
+ * waitpid and a shell's job control, and a SIGCONT after would go on with
+ * a process its user had stopped). Without the cgroup: SIGSTOP to all,
+ * SIGCONT after. A freeze still not complete after 10 s (a process in an
+ * uninterruptible sleep) is logged and the walk goes on. */
+static void hold_still(int on)
+{
+    static int by_signal; /* the hold under way is by signals: so is its end */
+    char ev[256];
+
+    if (on)
+        by_signal = cg_freeze < 0 || pwrite(cg_freeze, "1", 1, 0) != 1;
+    else if (!by_signal && pwrite(cg_freeze, "0", 1, 0) != 1)
+        say("thaw the guest's processes: %s", strerror(errno));
+    if (by_signal) {
+        kill(-1, on ? SIGSTOP : SIGCONT); /* every process but PID 1 */
+        return;
+    }
+    struct timespec t0, now;
+
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    while (on) {
+        ssize_t n = pread(cg_events, ev, sizeof(ev) - 1, 0);
+
+        if (n < 0)
+            break;
+        ev[n] = 0;
+        if (strstr(ev, "frozen 1"))
+            return;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (now.tv_sec - t0.tv_sec >= 10) {
+            say("the guest's processes are not all frozen after 10 s; the writable layer is read anyway");
+            return;
+        }
+        /* cgroup.events signals a change as POLLPRI */
+        struct pollfd pf = {.fd = cg_events, .events = POLLPRI};
+        poll(&pf, 1, 50);
+    }
+}
+
 static void do_tar(uint32_t id, struct rd *r)
 {
     struct tarw t = {.id = id, .outfd = -1};
@@ -3152,7 +3205,7 @@ static void do_tar(uint32_t id, struct rd *r)
         send_err(id, err, "open the writable layer");
         return;
     }
-    kill(-1, SIGSTOP); /* every process but PID 1: the tree holds still */
+    hold_still(1); /* every process but PID 1: the tree holds still */
     tar_send(&t); /* (nothing yet: starts the first frame) */
     {
         /* the layer's root: its mode, owner and xattrs (an opaque root too) */
@@ -3163,7 +3216,7 @@ static void do_tar(uint32_t id, struct rd *r)
         free(pax.p);
     }
     rc = tar_tree(&t, fd, "");
-    kill(-1, SIGCONT);
+    hold_still(0);
     links_free(&t);
     if (rc < 0) {
         int err = errno;
@@ -4167,6 +4220,25 @@ static void mkdirs(const char *const *dirs)
         mkdir(*dirs, 0755);
 }
 
+/* The cgroup of the guest's processes (cg_procs): cgroup2 mounted in the
+ * initramfs, so that no process of the sandbox sees it once the overlay is
+ * the root. A guest without it still works; its snapshots stop processes
+ * by signals. */
+static void make_cgroup(void)
+{
+    mkdir("/cgroup", 0755);
+    if (mount("cgroup2", "/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0 ||
+        (mkdir("/cgroup/sandbox", 0755) < 0 && errno != EEXIST) ||
+        (cg_procs = open("/cgroup/sandbox/cgroup.procs", O_WRONLY | O_CLOEXEC)) < 0 ||
+        (cg_freeze = open("/cgroup/sandbox/cgroup.freeze", O_WRONLY | O_CLOEXEC)) < 0 ||
+        (cg_events = open("/cgroup/sandbox/cgroup.events", O_RDONLY | O_CLOEXEC)) < 0) {
+        say("no cgroup for the guest's processes (%s): snapshots stop them by signals", strerror(errno));
+        close_fd(&cg_procs);
+        close_fd(&cg_freeze);
+        close_fd(&cg_events);
+    }
+}
+
 static void mount_root(void)
 {
     int nlayers = (int)param_u64("dsec.layers", 0);
@@ -4280,6 +4352,7 @@ int main(void)
     say("booted; loading modules");
     load_modules();
     chan = open_channel(); /* before the switch: /sys and /dev are the initramfs' */
+    make_cgroup();
     mount_root();
     umount2("/sys", MNT_DETACH);
     {

@@ -235,6 +235,28 @@ def test_a_second_snapshot_of_a_vm_has_its_changes(vm_client):
             vm_client.request("image_rm", name=name)
 
 
+def test_a_vms_processes_do_not_see_its_snapshot(vm_client):
+    """The guest's processes hold still while the agent reads the writable
+    layer the way a container's do (the freezer): a process its user had
+    stopped stays stopped, and a running one is sent no SIGSTOP and SIGCONT
+    (which it, its parent and a shell's job control would see)."""
+    sb = _vm(vm_client)
+    try:
+        sb.exec(["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $! > /stopped; kill -STOP $!"])
+        looper = sb.spawn(["sh", "-c", "trap 'echo CONT >> /seen' CONT; n=0; "
+                           "while :; do n=$((n+1)); echo $n > /count; sleep 0.05; done"])
+        sb.exec(["sh", "-c", "until [ -s /count ]; do sleep 0.05; done"])
+        sb.snapshot("vm-snap-still")
+        # Two turns of the loop after the snapshot: a trap would have run by then.
+        r = sb.exec(["sh", "-c", "a=$(cat /count); until [ $(cat /count) -ge $((a+2)) ]; do sleep 0.05; done; "
+                     "grep State /proc/$(cat /stopped)/status; cat /seen 2>/dev/null; echo end"])
+        assert r.stdout == b"State:\tT (stopped)\nend\n", r.stdout
+        looper.kill()
+    finally:
+        sb.destroy()
+        vm_client.request("image_rm", name="vm-snap-still")
+
+
 def test_stdin_is_held_back_while_the_process_does_not_read(vm_client, daemon):
     """One chunk of stdin at a time is in the agent (it answers TAKEN once
     the process's pipe has it): a process that does not read holds its
