@@ -103,7 +103,8 @@ enum {
     M_SYNC = 17,   /* (nothing): sync(), answered OK */
     M_NET = 18,    /* mac, IPv4 address, prefix length, gateway, mtu[, IPv6 address, prefix length, gateway]:
                       the NIC set up, answered OK */
-    M_TAR = 19,    /* max file bytes: the writable layer as a tar in DATA frames, then OK (counts) */
+    M_TAR = 19,    /* max file bytes[, n, n paths left out]: the writable layer as a tar in DATA frames,
+                      then OK (counts) */
     M_PING = 20,   /* (nothing): answered OK at once, the host's liveness check */
     M_RESIZE = 21, /* rows, cols: a pty exec's window size (TIOCSWINSZ; SIGWINCH); no answer */
     /* background processes (proc_*): kept here, output ring and exit status
@@ -2817,6 +2818,8 @@ struct tarw {
     int outfd;          /* >= 0: the bytes go there (a directory copy's stdout), not in DATA frames */
     int copy;           /* a directory copy (tar_get_main): its rules, not the writable layer's */
     uint64_t max_entries, copied; /* a copy's limit and its entries (headers, pax ones too, are `entries`) */
+    char **skip;        /* paths of the writable layer left out, with all below them (a snapshot's excludes) */
+    size_t nskip;
     struct tar_link *links; /* the writable layer's inodes of several links: their first name sent */
     size_t nlinks, links_cap; /* an open-addressed table, a power of two, at most half full */
 };
@@ -2827,6 +2830,7 @@ struct tar_link {
 };
 
 #define TAR_FRAME (256u << 10)
+#define MAX_SKIP (1u << 20) /* paths a snapshot may leave out (each is a string of the request's frame) */
 
 /* Send the DATA frame filled so far (if it holds any bytes), start the next. */
 static void tar_send(struct tarw *t)
@@ -3017,13 +3021,19 @@ static void link_remember(struct tarw *t, ino_t ino, const char *rel)
     t->nlinks++;
 }
 
-static void links_free(struct tarw *t)
+/* What the writable layer's walk held: its links table and excluded paths. */
+static void tar_free(struct tarw *t)
 {
     for (size_t i = 0; i < t->links_cap; i++)
         free(t->links[i].name);
     free(t->links);
     t->links = NULL;
     t->nlinks = t->links_cap = 0;
+    for (size_t i = 0; i < t->nskip; i++)
+        free(t->skip[i]);
+    free(t->skip);
+    t->skip = NULL;
+    t->nskip = 0;
 }
 
 static int copy_entry(struct tarw *t, int dfd, const char *name, const char *rel);
@@ -3113,6 +3123,15 @@ static int tar_entry(struct tarw *t, int dfd, const char *name, const char *rel)
     return rc;
 }
 
+/* Whether the writable layer's walk leaves `rel` (and so all below it) out. */
+static int tar_skipped(const struct tarw *t, const char *rel)
+{
+    for (size_t i = 0; i < t->nskip; i++)
+        if (!strcmp(t->skip[i], rel))
+            return 1;
+    return 0;
+}
+
 /* Every entry of directory fd (closed here), children after their parent. */
 static int tar_tree(struct tarw *t, int fd, const char *prefix)
 {
@@ -3131,6 +3150,8 @@ static int tar_tree(struct tarw *t, int fd, const char *prefix)
         if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
             continue;
         if (snprintf(rel, sizeof(rel), "%s%s%s", prefix, prefix[0] ? "/" : "", e->d_name) >= (int)sizeof(rel))
+            continue;
+        if (tar_skipped(t, rel))
             continue;
         rc = tar_entry(t, dirfd(d), e->d_name, rel);
     }
@@ -3189,7 +3210,15 @@ static void do_tar(uint32_t id, struct rd *r)
     int fd, rc;
 
     t.max_bytes = get_u64(r);
-    if (r->bad) {
+    /* The paths a snapshot excludes (relative, normalised by the host: as
+     * mkfs.erofs matches them), so that neither the tar nor the bound on
+     * its files' bytes holds them. A host that sends none ends here. */
+    uint64_t nskip = r->p < r->end ? get_u64(r) : 0;
+    if (!r->bad && nskip <= MAX_SKIP && (!nskip || (t.skip = calloc(nskip, sizeof(*t.skip)))))
+        for (; t.nskip < nskip && !r->bad; t.nskip++)
+            t.skip[t.nskip] = get_str(r);
+    if (r->bad || nskip > MAX_SKIP || (nskip && !t.skip)) {
+        tar_free(&t);
         send_err(id, EINVAL, "malformed tar request");
         return;
     }
@@ -3202,6 +3231,7 @@ static void do_tar(uint32_t id, struct rd *r)
 
         if (fd >= 0)
             close(fd);
+        tar_free(&t);
         send_err(id, err, "open the writable layer");
         return;
     }
@@ -3217,7 +3247,7 @@ static void do_tar(uint32_t id, struct rd *r)
     }
     rc = tar_tree(&t, fd, "");
     hold_still(0);
-    links_free(&t);
+    tar_free(&t);
     if (rc < 0) {
         int err = errno;
 

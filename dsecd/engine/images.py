@@ -778,7 +778,7 @@ class ImageService:
             if sb.state == "paused":      # its guest is stopped or saved: no agent to stream its layer
                 raise Conflict(f"sandbox {sb.id} is a paused microVM; resume it first (dsec resume {sb.id})",
                                {"sandbox": sb.id, "state": sb.state})
-            async with self.vm_upper(sb, self.images.scratch, self.max_snapshot_bytes) as upper:
+            async with self.vm_upper(sb, self.images.scratch, self.max_snapshot_bytes, exclude) as upper:
                 image = await self._pack(upper, base, req.name, exclude + self._temporaries(sb), ctx)
             return image.to_dict()
         async with self.frozen_upper(sb) as upper:

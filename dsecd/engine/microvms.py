@@ -55,8 +55,8 @@ from ..errors import (
     io_error,
 )
 from ..execio import DEFAULT_WINDOW, RunTimer, _decode_status, ended
+from ..fs import erofs, uppertar, users
 from ..fs import files as sbfiles
-from ..fs import uppertar, users
 from ..fs.layers import distinct_layers
 from ..mem import pause as mempause
 from ..protocol import FileMkdir
@@ -725,12 +725,15 @@ class MicroVMService:
     # ------------------------------------------------------------ the writable layer
 
     @contextlib.asynccontextmanager
-    async def upper_tree(self, sb: Sandbox, scratch: Path, max_bytes: int):
+    async def upper_tree(self, sb: Sandbox, scratch: Path, max_bytes: int, exclude: list[str] = ()):
         """The VM's writable layer (the overlay's upper dir in the guest) as
         a host directory, for snapshot: the agent streams it as a tar (every
-        guest process stopped meanwhile), unpacked under `scratch`
+        guest process frozen meanwhile), unpacked under `scratch`
         (dsecd/fs/uppertar.py); removed on exit. No pause or resume runs
-        meanwhile (the sandbox's lock)."""
+        meanwhile (the sandbox's lock). The `exclude`d paths are left out
+        by the agent, so they count neither in the tar nor against
+        `max_bytes` (the container's bound leaves them out too): past
+        that, `limit`."""
         self.agent(sb)
         work = Path(tempfile.mkdtemp(prefix=f"vm-upper-{sb.id}-", dir=scratch))
         try:
@@ -753,8 +756,14 @@ class MicroVMService:
                     if sb.state == "paused":        # by a pause this waited for: its channel went
                         raise Conflict(f"sandbox {sb.id} is a paused microVM; resume it first (dsec resume "
                                        f"{sb.id})", {"sandbox": sb.id, "state": sb.state})
-                    r = await self.agent(sb).stream(wire.TAR, on_data, wire.u64(max_bytes))
+                    skip = sorted({rel for rel in map(erofs.exclude_rel, exclude) if rel})
+                    r = await self.agent(sb).stream(wire.TAR, on_data, wire.u64(max_bytes), wire.u64(len(skip)),
+                                                    *map(wire.bstr, skip))
             except AgentError as err:
+                if err.errno == errno.EFBIG:
+                    raise LimitExceeded(f"snapshot: the sandbox's changed files add up to more than "
+                                        f"images.max_snapshot_bytes ({max_bytes} bytes; {err.step}); remove large "
+                                        "or sparse files, or exclude them", {"sandbox": sb.id}) from err
                 raise io_error("read the writable layer of", sb.id, err) from err
             except AgentGone as err:
                 raise Conflict(f"sandbox {sb.id} is exiting: {err}", {"sandbox": sb.id}) from err

@@ -370,6 +370,31 @@ def _templated_daemon(daemon_factory, busybox_rootfs):
     return d, c
 
 
+def test_a_vms_snapshot_bound_is_a_containers(daemon_factory, busybox_rootfs):
+    """images.max_snapshot_bytes on a VM as on a container (test_attack_exhaust's
+    sparse file): past it the snapshot is `limit`, and the paths it excludes,
+    however spelt, count neither against the bound nor go in the layer."""
+    d = daemon_factory('[images]\nmax_snapshot_bytes = "4M"\n[microvm]\nwatchdog_interval_s = 0\n',
+                       shared_vm_templates=True)
+    with d.client() as c:
+        skip_unless_microvm(c, close=False)
+        c.import_image(busybox_rootfs, "busybox")
+        sb = _vm(c)
+        try:
+            r = sb.exec(["sh", "-c", "truncate -s 1073741824 /work/sparse && echo small > /work/keep"])
+            assert r.exit_code == 0, r.stderr
+            with pytest.raises(LimitExceeded, match="max_snapshot_bytes"):
+                sb.snapshot("vm-sparse")
+            sb.snapshot("vm-excluded", exclude=["//work/./sparse"])
+            box = c.create("vm-excluded", memory="64M")
+            try:
+                assert box.exec(["sh", "-c", "cat /work/keep; ls /work"]).stdout == b"small\nkeep\n"
+            finally:
+                box.destroy()
+        finally:
+            sb.destroy()
+
+
 def test_a_restored_vms_pause_is_not_charged_its_templates_pages(daemon_factory, busybox_rootfs):
     """A pause saves all of a restored VM's RAM, reading every page of its
     private mapping of the template's memfd: each read of a page the
