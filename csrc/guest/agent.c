@@ -2799,12 +2799,12 @@ fail:
  * along), streamed in DATA frames; the host unpacks it and builds an image
  * layer from it (dsecd/fs/uppertar.py). What overlayfs keeps there goes
  * as it is: whiteouts (0:0 character devices) and opaque directories (the
- * xattr trusted.overlay.opaque). Other xattrs: user.* and
- * security.capability. A file, FIFO or symlink of more than one link goes
- * whole under the first of its names the walk meets and as a tar hard link
- * ('1') to that name under every other, so the layer keeps one inode and its
- * link count, as mkfs.erofs keeps those of a container's upper dir (whiteouts
- * are not grouped: overlayfs makes them links of one shared inode). Sockets
+ * xattr trusted.overlay.opaque). Other xattrs: tar_xattr_kept. A file,
+ * FIFO or symlink of more than one link goes whole under the first of its
+ * names the walk meets and as a tar hard link ('1') to that name under every
+ * other, so the layer keeps one inode and its link count, as mkfs.erofs
+ * keeps those of a container's upper dir (whiteouts are not grouped:
+ * overlayfs makes them links of one shared inode). Sockets
  * and devices other than whiteouts are skipped (counted). Every process but
  * this one is frozen meanwhile (hold_still), so the tree does not change
  * under the walk. */
@@ -2954,6 +2954,18 @@ static void tar_header(struct tarw *t, const char *name, char type, const struct
     t->entries++;
 }
 
+/* Whether xattr `x` of the writable layer goes in its tar: what mkfs.erofs
+ * keeps of a container's upper (user.*, trusted.*, security.capability)
+ * and the opaque mark, but overlayfs's other trusted.overlay.* (origin,
+ * impure, redirect, ...: this overlay's bookkeeping, which an overlay
+ * having the layer as a lower layer would act on). */
+static int tar_xattr_kept(const char *x)
+{
+    if (!strncmp(x, "trusted.overlay.", 16))
+        return !strcmp(x, "trusted.overlay.opaque");
+    return !strncmp(x, "user.", 5) || !strncmp(x, "trusted.", 8) || !strcmp(x, "security.capability");
+}
+
 /* The xattrs that go along, as pax records (SCHILY.xattr.<name>). */
 static void tar_xattrs(int fd, struct buf *pax)
 {
@@ -2964,7 +2976,7 @@ static void tar_xattrs(int fd, struct buf *pax)
         const char *x = names + at;
         char key[300];
 
-        if (strcmp(x, "trusted.overlay.opaque") && strncmp(x, "user.", 5) && strcmp(x, "security.capability"))
+        if (!tar_xattr_kept(x))
             continue;
         ssize_t v = fgetxattr(fd, x, val, sizeof(val));
         if (v < 0)

@@ -7,20 +7,21 @@ agent walks it (csrc/guest/agent.c, M_TAR) and streams a POSIX tar of it:
 directories, regular files, symlinks, FIFOs, overlay whiteouts (0:0
 character devices), hard links (each further name of a file, FIFO or
 symlink, as a link to its first name), and as pax records the xattrs
-trusted.overlay.opaque (opaque directories), user.* and
-security.capability. Unpacked here as root into a fresh private directory,
-with owners, modes (setuid and setgid kept: an image layer's files are what
-the guest made), mtimes, those xattrs and the links (one inode, its link
-count), so that erofs.build copies whiteouts, opaque directories and hard
-links as it does from a container's upper.
+trusted.overlay.opaque (opaque directories), user.*, trusted.* (but
+overlayfs's own) and security.capability. Unpacked here as root into a
+fresh private directory, with owners, modes (setuid and setgid kept: an
+image layer's files are what the guest made), mtimes, those xattrs and the
+links (one inode, its link count), so that erofs.build copies whiteouts,
+opaque directories and hard links as it does from a container's upper.
 
 The archive comes from a guest, which is not trusted: every name is checked
 (dsecd/tarsafe.py's entry_name: relative, no `..`, within PATH_MAX), no
 entry may go below a symlink or file of the archive, a name comes once, a
 hard link names a file, FIFO or symlink the archive made before it (never
 a directory, a whiteout or a path of its own), and devices other than
-whiteouts, sockets and sparse entries are refused. The directory is the daemon's own (0700 under the scratch dir), so
-nothing else changes it meanwhile.
+whiteouts, sockets and sparse entries are refused. The directory is the
+daemon's own (0700 under the scratch dir), so nothing else changes it
+meanwhile.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from .. import tarsafe
 
-XATTRS_KEPT = ("trusted.overlay.opaque", "security.capability")     # and user.*
+XATTRS_KEPT = ("trusted.overlay.opaque", "security.capability")     # and user.*, trusted.* (xattr_kept)
 XATTR_PREFIX = "SCHILY.xattr."
 MODE_BITS = 0o7777
 CHUNK = 1 << 20
@@ -102,6 +103,17 @@ def unpack(tar_path: Path, dest: Path, max_entries: int = 10_000_000) -> dict:
     return {"entries": entries, "bytes": nbytes}
 
 
+def xattr_kept(name: str) -> bool:
+    """Whether the layer keeps xattr `name` (the agent's tar_xattr_kept):
+    what mkfs.erofs keeps of a container's upper dir, but overlayfs's own
+    trusted.overlay.* other than the opaque mark (its bookkeeping of the
+    guest's overlay, which an overlay having the layer as a lower layer
+    would act on: a redirect or metacopy there changes what it shows)."""
+    if name.startswith("trusted.overlay."):
+        return name == "trusted.overlay.opaque"
+    return name in XATTRS_KEPT or name.startswith(("user.", "trusted."))
+
+
 def _check_parents(name: str, rel: str, dirs: set[str], others: set[str]) -> None:
     parent = rel.rpartition("/")[0]
     path = ""
@@ -140,7 +152,7 @@ def _attributes(path: Path, m: tarfile.TarInfo) -> None:
         if not key.startswith(XATTR_PREFIX):
             continue
         name = key[len(XATTR_PREFIX):]
-        if name in XATTRS_KEPT or name.startswith("user."):
+        if xattr_kept(name):
             os.setxattr(path, name, value.encode("utf-8", "surrogateescape"), follow_symlinks=False)
     os.chmod(path, m.mode & MODE_BITS)
     if not m.isdir():

@@ -12,12 +12,14 @@ import asyncio
 import errno
 import json
 import os
+import shutil
 
 import pytest
 from conftest import skip_unless_microvm
 from image_kit import docker_save, layer_of, rootfs_layer
 
 import dsecd
+from dsecd import native
 from dsecd.errors import LimitExceeded
 
 
@@ -212,6 +214,41 @@ def test_snapshot_of_a_vm_is_an_image_both_backends_run(vm_client):
     finally:
         vm.destroy()
     vm_client.request("image_rm", name="vm-snap")
+
+
+# A file capability (cap_net_raw+ep), as setcap writes it.
+FILE_CAP = bytes.fromhex("0100000200200000000000000000000000000000")
+
+
+def test_a_vm_snapshot_keeps_the_xattrs_of_the_files_it_changed(vm_client, daemon, busybox_rootfs, tmp_path):
+    """A file of the image that a VM changes is copied up in the guest with
+    its xattrs, and its snapshot's layer has them as a container's has:
+    security.capability and trusted.* (but overlayfs's own, which would
+    mean something to every overlay the layer is a lower layer of)."""
+    root = tmp_path / "root"
+    shutil.copytree(busybox_rootfs, root, symlinks=True)
+    (root / "x").mkdir()
+    for name, key, value in (("t", "trusted.t", b"tt"), ("c", "security.capability", FILE_CAP)):
+        (root / "x" / name).write_bytes(b"data\n")
+        os.setxattr(root / "x" / name, key, value)
+    vm_client.import_image(str(root), "vm-xattrs")
+    sb = _vm(vm_client, "vm-xattrs")
+    try:
+        assert sb.exec(["chmod", "600", "/x/t", "/x/c"]).exit_code == 0       # both copied up
+        layer = sb.snapshot("vm-xattrs-snap")["layers"][-1]["digest"]
+    finally:
+        sb.destroy()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    native.mount_erofs(str(daemon.state / "store" / "blobs" / "sha256" / layer.split(":", 1)[1]), str(mnt))
+    try:
+        assert os.getxattr(mnt / "x" / "t", "trusted.t") == b"tt"
+        assert os.getxattr(mnt / "x" / "c", "security.capability") == FILE_CAP
+        assert not [k for f in ("t", "c") for k in os.listxattr(mnt / "x" / f) if k.startswith("trusted.overlay.")]
+    finally:
+        native.umount(str(mnt))
+        for name in ("vm-xattrs-snap", "vm-xattrs"):
+            vm_client.request("image_rm", name=name)
 
 
 def test_a_second_snapshot_of_a_vm_has_its_changes(vm_client):

@@ -76,3 +76,16 @@ def test_a_hard_link_to_anything_but_an_earlier_entry_is_refused(tmp_path, entri
     with pytest.raises(tarsafe.Refused, match=why):
         uppertar.unpack(_tar(tmp_path, entries), dest)
     assert not (dest / "h").exists()
+
+
+def test_the_xattrs_a_layer_keeps(tmp_path):
+    """trusted.* and user.* as a container's layer has them, the opaque mark,
+    but none of overlayfs's own bookkeeping (a redirect or metacopy in a
+    lower layer would change what every overlay over it shows)."""
+    m, _ = _entry("d/", tarfile.DIRTYPE, mode=0o755)
+    m.pax_headers = {f"SCHILY.xattr.{k}": v for k, v in (
+        ("trusted.t", "tt"), ("trusted.overlay.opaque", "y"), ("trusted.overlay.origin", "o"),
+        ("trusted.overlay.redirect", "/x"), ("user.a", "one"), ("security.selinux", "s"))}
+    dest, _ = _unpack(tmp_path, [_entry("./", tarfile.DIRTYPE, mode=0o755), (m, b"")])
+    assert sorted(os.listxattr(dest / "d")) == ["trusted.overlay.opaque", "trusted.t", "user.a"]
+    assert os.getxattr(dest / "d", "trusted.t") == b"tt"
