@@ -174,6 +174,7 @@ static int upperfd = -1; /* the overlay's upper dir (out of the sandbox's view a
  * view after the switch): its cgroup.procs, cgroup.freeze and cgroup.events,
  * or -1 where it could not be made (M_TAR then stops processes by signals). */
 static int cg_procs = -1, cg_freeze = -1, cg_events = -1;
+static int cg_top = -1; /* the mount's top cgroup.procs: where the agent puts itself before a freeze */
 
 static void say(const char *fmt, ...)
 {
@@ -3184,6 +3185,12 @@ static void hold_still(int on)
     static int by_signal; /* the hold under way is by signals: so is its end */
     char ev[256];
 
+    if (on && cg_freeze >= 0) {
+        /* Not in the cgroup it freezes, wherever the guest's root moved it
+         * (it may mount cgroup2 too): a frozen agent would thaw nothing. */
+        ssize_t ignored = write(cg_top, "0", 1);
+        (void)ignored;
+    }
     if (on)
         by_signal = cg_freeze < 0 || pwrite(cg_freeze, "1", 1, 0) != 1;
     else if (!by_signal && pwrite(cg_freeze, "0", 1, 0) != 1)
@@ -4273,8 +4280,10 @@ static void make_cgroup(void)
         (mkdir("/cgroup/sandbox", 0755) < 0 && errno != EEXIST) ||
         (cg_procs = open("/cgroup/sandbox/cgroup.procs", O_WRONLY | O_CLOEXEC)) < 0 ||
         (cg_freeze = open("/cgroup/sandbox/cgroup.freeze", O_WRONLY | O_CLOEXEC)) < 0 ||
-        (cg_events = open("/cgroup/sandbox/cgroup.events", O_RDONLY | O_CLOEXEC)) < 0) {
+        (cg_events = open("/cgroup/sandbox/cgroup.events", O_RDONLY | O_CLOEXEC)) < 0 ||
+        (cg_top = open("/cgroup/cgroup.procs", O_WRONLY | O_CLOEXEC)) < 0) {
         say("no cgroup for the guest's processes (%s): snapshots stop them by signals", strerror(errno));
+        close_fd(&cg_top);
         close_fd(&cg_procs);
         close_fd(&cg_freeze);
         close_fd(&cg_events);

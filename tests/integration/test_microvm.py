@@ -9,6 +9,7 @@ the microvm backend is unavailable.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
@@ -20,7 +21,7 @@ from image_kit import docker_save, layer_of, rootfs_layer
 
 import dsecd
 from dsecd import native
-from dsecd.errors import LimitExceeded
+from dsecd.errors import LimitExceeded, NotFound
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +293,27 @@ def test_a_vms_processes_do_not_see_its_snapshot(vm_client):
     finally:
         sb.destroy()
         vm_client.request("image_rm", name="vm-snap-still")
+
+
+def test_a_snapshot_never_freezes_the_guest_agent(vm_client, daemon):
+    """Root in the guest may mount cgroup2 and move PID 1, the agent, into
+    the cgroup a snapshot freezes: the agent moves itself out first, so it
+    still walks the layer and thaws the guest (a frozen agent would hold
+    the snapshot, and the guest, for ever)."""
+    sb = _vm(vm_client)
+    try:
+        r = sb.exec(["sh", "-c", "mkdir /cg && mount -t cgroup2 none /cg && echo 1 > /cg/sandbox/cgroup.procs && "
+                     "grep -qx 1 /cg/sandbox/cgroup.procs && echo moved"])
+        assert r.stdout == b"moved\n", r.stderr
+        # The CLI, under a bound far past the seconds a snapshot takes: a
+        # frozen agent would never answer.
+        out = daemon.cli("snapshot", sb.id, "--name", "vm-snap-agent", timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert sb.exec(["echo", "thawed"]).stdout == b"thawed\n"
+    finally:
+        sb.destroy()
+        with contextlib.suppress(NotFound):
+            vm_client.request("image_rm", name="vm-snap-agent")
 
 
 def test_stdin_is_held_back_while_the_process_does_not_read(vm_client, daemon):
