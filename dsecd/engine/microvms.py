@@ -757,8 +757,20 @@ class MicroVMService:
                         raise Conflict(f"sandbox {sb.id} is a paused microVM; resume it first (dsec resume "
                                        f"{sb.id})", {"sandbox": sb.id, "state": sb.state})
                     skip = sorted({rel for rel in map(erofs.exclude_rel, exclude) if rel})
-                    r = await self.agent(sb).stream(wire.TAR, on_data, wire.u64(max_bytes), wire.u64(len(skip)),
-                                                    *map(wire.bstr, skip))
+                    link = self.agent(sb)
+                    # The agent freezes the guest's processes while it
+                    # streams: their execs' run-time timeouts
+                    # (Sandbox.paused_for) must not count it, as a
+                    # container's do not count its snapshot's freeze.
+                    clock = sb.paused_at is None
+                    if clock:
+                        sb.paused_at = time.monotonic()
+                    try:
+                        r = await link.stream(wire.TAR, on_data, wire.u64(max_bytes), wire.u64(len(skip)),
+                                              *map(wire.bstr, skip))
+                    finally:
+                        if clock:
+                            sb.end_paused_time()
             except AgentError as err:
                 if err.errno == errno.EFBIG:
                     raise LimitExceeded(f"snapshot: the sandbox's changed files add up to more than "

@@ -189,3 +189,42 @@ def test_an_owner_goes_only_to_an_agent_that_sets_it():
         svc._owner_fields(sb, (65534, 65534), "file_write vm1")
     link.agent_version = wire.OWNER_AGENT_VERSION
     assert svc._owner_fields(sb, (65534, 100), "file_write vm1") == (wire.u64(65534), wire.u64(100))
+
+
+def test_a_vms_snapshot_stops_its_execs_clocks(tmp_path):
+    # The guest's processes are frozen while the agent streams the layer, as
+    # a container's are while its layer is packed; an exec's run-time
+    # timeout (Sandbox.paused_for) went on counting, so a command frozen by
+    # a long snapshot could be killed having run far less than its timeout.
+    import asyncio
+
+    import pytest
+
+    from dsecd.backends.microvm.agent import AgentError
+    from dsecd.engine.sandboxes import Sandbox
+    from dsecd.errors import DsecError
+
+    seen = []
+
+    async def main():
+        class Link:
+            closed = False
+
+            async def stream(self, *args):
+                seen.append(sb.paused_at)
+                await asyncio.sleep(0.01)
+                raise AgentError(errno.EIO, "read work/f")
+
+        sb = Sandbox(id="vm1", image="busybox", state="running", created=0.0, limits={"memory": 256 << 20},
+                     backend="microvm", handle=SimpleNamespace(agent=Link()))
+        svc = object.__new__(MicroVMService)
+        svc.balloon = None
+        svc.workers = SimpleNamespace(run=lambda fn, *a: asyncio.sleep(0, fn(*a)))
+        with pytest.raises(DsecError, match="read the writable layer"):
+            async with svc.upper_tree(sb, tmp_path, 1 << 20):
+                pass
+        return sb
+
+    sb = asyncio.run(main())
+    assert seen[0] is not None                      # the clock stood still while it streamed
+    assert sb.paused_at is None and sb.paused_total > 0
