@@ -37,6 +37,7 @@ XATTRS_KEPT = ("trusted.overlay.opaque", "security.capability")     # and user.*
 XATTR_PREFIX = "SCHILY.xattr."
 MODE_BITS = 0o7777
 CHUNK = 1 << 20
+ZEROS = memoryview(bytes(CHUNK))
 
 
 def unpack(tar_path: Path, dest: Path, max_entries: int = 10_000_000) -> dict:
@@ -126,6 +127,10 @@ def _check_parents(name: str, rel: str, dirs: set[str], others: set[str]) -> Non
 
 
 def _write_file(tf: tarfile.TarFile, m: tarfile.TarInfo, path: Path) -> int:
+    """The file's bytes, a chunk of zeros left a hole: the agent sends a
+    sparse file's holes as zeros (the layer stores them so, as a
+    container's does), and written out they would take the file's apparent
+    size in the scratch dir a second time, beside the tar."""
     src = tf.extractfile(m)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -134,8 +139,14 @@ def _write_file(tf: tarfile.TarFile, m: tarfile.TarInfo, path: Path) -> int:
             data = src.read(min(left, CHUNK))
             if not data:
                 raise tarsafe.Refused(f"entry {m.name!r}: the tar ends inside the file")
-            os.write(fd, data)
+            if data == ZEROS[:len(data)]:
+                os.lseek(fd, len(data), os.SEEK_CUR)
+            else:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
             left -= len(data)
+        os.ftruncate(fd, m.size)            # a hole at the end too
     finally:
         os.close(fd)
     return m.size

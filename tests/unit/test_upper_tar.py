@@ -89,3 +89,13 @@ def test_the_xattrs_a_layer_keeps(tmp_path):
     dest, _ = _unpack(tmp_path, [_entry("./", tarfile.DIRTYPE, mode=0o755), (m, b"")])
     assert sorted(os.listxattr(dest / "d")) == ["trusted.overlay.opaque", "trusted.t", "user.a"]
     assert os.getxattr(dest / "d", "trusted.t") == b"tt"
+
+
+def test_a_files_zeros_are_holes_in_the_unpacked_tree(tmp_path):
+    """The agent sends a sparse file's holes as zeros (the layer stores them
+    so, as a container's does); unpacked as holes, the scratch dir holds
+    the file's data only, not its apparent size again beside the tar."""
+    data = bytes(8 << 20) + b"end"
+    dest, _ = _unpack(tmp_path, [_entry("./", tarfile.DIRTYPE, mode=0o755), _entry("sparse", tarfile.REGTYPE, data)])
+    assert (dest / "sparse").read_bytes() == data
+    assert os.stat(dest / "sparse").st_blocks * 512 < 1 << 20
