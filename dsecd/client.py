@@ -86,6 +86,12 @@ ABANDONED_CREATE_WAIT_S = 10.0
 # ABANDONED_CREATE_WAIT_S at most (close() waits for the rest).
 SETTLED_WHEN_ABANDONED = ("exec", "file_tar_put", "file_remove", "proc_start", "snapshot", "pause", "resume",
                           "job_pause", "job_resume")
+# A lost connection is made again at the next request (reconnect=True):
+# while the daemon does not answer (a restart: no socket, or refused), tries
+# this far apart at first, doubled after each failure up to the max, for
+# connect_timeout at most.
+RECONNECT_GAP_S = 0.05
+RECONNECT_GAP_MAX_S = 1.0
 # How soon Client.hold renews again after a renew found the connection gone.
 HOLD_RETRY_S = 1.0
 # The most bytes of a followed background process's output (Process.output)
@@ -556,6 +562,17 @@ class _Conn:
         self.garbled = False      # it ended on bytes that are not frames (said as such, not as ssh's end)
 
 
+class _Unsent(ConnectionLost):
+    """A request's connection was lost before the request was written to it:
+    the daemon never saw it, so it may go on a new connection. Raised as
+    the ConnectionLost it is where nothing sends it again (the hello)."""
+
+    def __init__(self, cause: BaseException, target: str, op: str):
+        super().__init__(f"{op} on {target}: connection lost before it was sent: {cause}",
+                         target=target, op=op, sent=False)
+        self.cause = cause
+
+
 class _NotFrames(Exception):
     """The peer sent bytes that are not the protocol's frames."""
 
@@ -569,8 +586,10 @@ class Client:
     A lost connection fails the requests in flight with errors.ConnectionLost.
     With `reconnect` (the default: a daemon restart, which leaves the
     sandboxes running, or a network over ssh:// drops a connection), the
-    next request connects again first; otherwise every later request fails
-    with ConnectionLost too, until connect() is called again."""
+    next request connects again first, waiting up to connect_timeout for
+    the daemon to answer, and the requests that were still queued in this
+    client (never sent) go on the new connection; otherwise every later
+    request fails with ConnectionLost too, until connect() is called again."""
 
     def __init__(self, target: str | None = None, name: str = "dsecd-sdk", connect_timeout: float = 30.0,
                  *, ssh: remote.SshOptions | None = None, reconnect: bool | None = None):
@@ -599,6 +618,11 @@ class Client:
         self._ids = itertools.count(1)
         self._conn: _Conn | None = None
         self._reconnecting = asyncio.Lock()
+        # When the next try to connect again may start, how far apart tries
+        # are, and why the last one failed (see _connection).
+        self._reconnect_at = 0.0
+        self._reconnect_gap = RECONNECT_GAP_S
+        self._reconnect_error: ConnectionError | None = None
         self._closed = False
         self._undoing: set[asyncio.Task] = set()      # destroys of what cancelled creates made
         # The keys of creates in flight (key -> how many), and of those being
@@ -860,6 +884,8 @@ class Client:
         text = f"{op} on {self.target}: connection lost: {cause}"
         if sent:
             text += lost_after_sending(op)
+        else:
+            text += "; the request was not sent, so it did not run"
         if self._closed:
             pass
         elif self.lost_advice:
@@ -871,8 +897,10 @@ class Client:
             text += "; call connect() again (or make the Client with reconnect=True) to go on"
         return ConnectionLost(text, target=self.target, op=op, sent=sent)
 
-    async def _connection(self, op: str) -> _Conn:
-        """The live connection; after a loss, a new one if `reconnect`."""
+    async def _connection(self, op: str, deadline: float | None = None) -> _Conn:
+        """The live connection; after a loss, a new one if `reconnect`,
+        waiting for the daemon to answer again until `deadline` (loop time;
+        default: connect_timeout from now)."""
         conn = self._conn
         if conn is not None and conn.pid != os.getpid():
             # Its frames would interleave with the parent's on the one socket.
@@ -900,12 +928,38 @@ class Client:
         await self._reason(conn)
         if not self.reconnect or self._closed:
             raise self._lost_error(conn.lost, op, sent=False)
-        async with self._reconnecting:
-            if self._conn is conn:              # nobody connected again meanwhile
-                await self._drop(conn, grace=0)
-                await self.connect()
+        loop = asyncio.get_running_loop()
+        if deadline is None:
+            deadline = loop.time() + self.connect_timeout
+        try:
+            async with asyncio.timeout_at(deadline), self._reconnecting:
+                # One request at a time tries; the others wait here for its
+                # connection. A daemon that is restarting has no socket, or
+                # refuses, for a while: tried again, further apart each time.
+                while self._conn is conn and not self._closed:
+                    wait = self._reconnect_at - loop.time()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                    try:
+                        await self.connect()
+                    except ConnectionError as err:
+                        self._reconnect_error = err
+                        if isinstance(err.__cause__, PermissionError):
+                            raise       # not one that time mends
+                        self._reconnect_gap = min(2 * self._reconnect_gap, RECONNECT_GAP_MAX_S)
+                        self._reconnect_at = loop.time() + self._reconnect_gap
+                    else:
+                        self._reconnect_gap = RECONNECT_GAP_S
+                        self._reconnect_at = 0.0
+                        self._reconnect_error = None
+        except TimeoutError:
+            why = f" (last: {self._reconnect_error})" if self._reconnect_error is not None else ""
+            raise ConnectionLost(
+                f"{op} on {self.target}: connection lost: {conn.lost}; the daemon did not answer again within "
+                f"{self.connect_timeout:g} s (the Client's connect_timeout){why}; the request was not sent, "
+                "so it did not run", target=self.target, op=op, sent=False) from None
         conn = self._conn
-        if conn is None or conn.lost is not None:
+        if self._closed or conn is None or conn.lost is not None:
             raise self._lost_error(conn.lost if conn else ConnectionError("closed"), op, sent=False)
         return conn
 
@@ -947,7 +1001,28 @@ class Client:
 
     async def frames_with_id(self, rid: int, op: str, args: dict,
                              sent: asyncio.Event | None = None) -> AsyncIterator[dict]:
-        conn = await self._connection(op)
+        # A request that never left this client (it waited for a slot, or
+        # was refused for the in-flight limit, when its connection was lost)
+        # never reached the daemon: it goes on the next connection, once the
+        # daemon answers again (connect_timeout from its first loss at most).
+        # One that was written may have run and is not sent again.
+        deadline = None
+        while True:
+            conn = await self._connection(op, deadline)
+            try:
+                async with contextlib.aclosing(self._frames_on(conn, rid, op, args, sent)) as frames:
+                    async for frame in frames:
+                        yield frame
+                return
+            except _Unsent as err:
+                if not self.reconnect or self._closed:
+                    raise self._lost_error(err.cause, op, sent=False) from None
+                if deadline is None:
+                    deadline = asyncio.get_running_loop().time() + self.connect_timeout
+
+    async def _frames_on(self, conn: _Conn, rid: int, op: str, args: dict,
+                         sent: asyncio.Event | None) -> AsyncIterator[dict]:
+        """frames_with_id on one connection; _Unsent if it was lost before the request left."""
         # aclosing: a caller that stops early (break, cancel) closes the inner
         # generator at once, so the daemon is told to cancel the request now.
         slots = conn.slots
@@ -980,7 +1055,7 @@ class Client:
     async def _frames_with_id(self, conn: _Conn, rid: int, op: str, args: dict,
                               sent: asyncio.Event | None) -> AsyncIterator[dict]:
         if conn.lost is not None:
-            raise self._lost_error(conn.lost, op, sent=False)
+            raise _Unsent(conn.lost, self.target, op)
         # A background process's output, followed, comes as fast as the
         # process writes it; the rest is bounded by its request (without
         # follow, by the daemon's ring).
@@ -1028,7 +1103,7 @@ class Client:
                     on_wire = False
                     await asyncio.sleep(again)
                     if conn.lost is not None:       # gone meanwhile: it never ran
-                        raise self._lost_error(conn.lost, op, sent=False)
+                        raise _Unsent(conn.lost, self.target, op)
                     again = min(2 * again, REFUSED_AGAIN_MAX_S)
                     on_wire = True
                     await send()

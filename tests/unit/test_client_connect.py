@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import time
 
@@ -423,3 +424,112 @@ def test_after_a_daemon_restart_the_next_request_connects_again(tmp_path):
     assert asyncio.run(go(None)) == ({"time": 1.0}, 2)
     said, made = asyncio.run(go(False))
     assert made == 1 and said.endswith("call connect() again (or make the Client with reconnect=True) to go on")
+
+
+def _limited_hello(slots: int) -> dict:
+    """A hello's answer whose in-flight limit leaves the client `slots` for its requests."""
+    from dsecd import client
+
+    return {"limits": {"max_requests_per_client": slots + client.CONTROL_SLOTS}}
+
+
+def test_requests_queued_when_the_daemon_restarts_go_out_on_the_new_connection(tmp_path):
+    """Requests waiting in the client for a slot never reached the daemon:
+    when it restarts, they wait for it to answer again and are sent on the
+    new connection; those it had been sent fail, saying they may have run."""
+    from dsecd import ConnectionLost
+
+    path = str(tmp_path / "d.sock")
+    first_got: list[str] = []
+    second_got: list[str] = []
+
+    servers = []
+
+    async def first(reader, writer):
+        # The old daemon: two requests in flight, then it goes away, its
+        # socket first (restarting: no socket for a while).
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] == "hello":
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": _limited_hello(2)}))
+                    continue
+                first_got.append(f["args"]["n"])
+                if len(first_got) == 2:
+                    servers[0].close()
+                    os.unlink(path)
+                    writer.transport.abort()
+                    return
+
+    async def second(reader, writer):
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] == "hello":
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": _limited_hello(2)}))
+                    continue
+                second_got.append(f["args"]["n"])
+                writer.write(protocol.encode_frame({"id": f["id"], "result": {"n": f["args"]["n"]}}))
+
+    async def go():
+        servers.append(await asyncio.start_unix_server(first, path))
+        async with Client(path, connect_timeout=20) as c:
+            async def one(n):
+                try:
+                    return (await c.request("ping", n=n))["n"]
+                except ConnectionLost as err:
+                    return err
+            tasks = [asyncio.create_task(one(n)) for n in range(6)]
+            while len(first_got) < 2:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            server = await asyncio.start_unix_server(second, path)
+            try:
+                return await asyncio.gather(*tasks)
+            finally:
+                server.close()
+
+    results = asyncio.run(go())
+    lost = [r for r in results if isinstance(r, ConnectionLost)]
+    assert sorted(first_got) == [0, 1] and sorted(second_got) == [2, 3, 4, 5]
+    assert results[2:] == [2, 3, 4, 5]
+    assert len(lost) == 2 and all(e.sent for e in lost)
+    assert all("may have been carried out" in str(e) for e in lost)
+
+
+def test_a_queued_request_fails_unsent_when_the_daemon_does_not_come_back(tmp_path):
+    """Waiting for the daemon is bounded by connect_timeout; then the
+    request fails with sent=False, saying it did not run and why."""
+    from dsecd import ConnectionLost
+
+    path = str(tmp_path / "d.sock")
+    got: list[int] = []
+
+    async def daemon(reader, writer):
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] == "hello":
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": _limited_hello(2)}))
+                    continue
+                got.append(f["args"]["n"])
+                if len(got) == 2:
+                    servers[0].close()
+                    os.unlink(path)
+                    writer.transport.abort()
+                    return
+
+    servers = []
+
+    async def go():
+        servers.append(await asyncio.start_unix_server(daemon, path))
+        async with Client(path, connect_timeout=0.5) as c:
+            tasks = [asyncio.create_task(c.request("ping", n=n)) for n in range(3)]
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(go())
+    assert got == [0, 1] and all(isinstance(r, ConnectionLost) for r in results)
+    assert results[0].sent and results[1].sent and not results[2].sent
+    said = str(results[2])
+    assert "did not answer again within 0.5 s" in said and "not sent, so it did not run" in said
+    assert "No such file or directory" in said
