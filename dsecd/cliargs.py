@@ -74,6 +74,23 @@ class _Parser(argparse.ArgumentParser):
         return super().add_subparsers(**kwargs)
 
 
+class _Version(argparse.Action):
+    """--version: `dsec VERSION`, or with --json (before or after it, as any
+    command takes it) `{"version": VERSION}`, the key `dsec info --json`
+    gives the daemon's under."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if "--json" in _dsec_words(_parsing):
+            _print_json({"version": __version__})
+        else:
+            print(f"dsec {__version__}")
+        parser.exit()
+
+
+# The words parse_args is parsing (for _Version, which argparse hands none of them).
+_parsing: list[str] = []
+
+
 class _SubParser(_Parser):
     """A command's parser: words it does not know are its usage error, said
     with its own usage (`dsec ps nosuch`), not passed up to the top-level
@@ -347,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "env DSEC_SSH_CONFIG)")
     p.add_argument("--remote-dsec", metavar="COMMAND", help="the dsec command on remote hosts (env "
                    "DSEC_REMOTE_DSEC; default: dsec on their PATH)")
-    p.add_argument("--version", action="version", version=f"dsec {__version__}",
+    p.add_argument("--version", action=_Version, nargs=0, default=argparse.SUPPRESS,
                    help="this dsec's version (the daemon's: dsec info)")
     p.set_defaults(json=False)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -643,6 +660,7 @@ exits 1, --json too, with what the other hosts gave.
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """dsec's arguments; the command of RUNS_A_COMMAND lands in `argv`. A usage
     error exits 2, or 125 for RUNS_A_COMMAND (argparse's SystemExit)."""
+    _parsing[:] = argv
     at = find_verb(argv)
     verb = argv[at] if at is not None else None
     if verb == "fleet":

@@ -1094,6 +1094,17 @@ def test_version_says_dsecs_own(capsys):
     assert exit_.value.code == 0 and capsys.readouterr().out == f"dsec {dsecd.__version__}\n"
 
 
+@pytest.mark.parametrize("argv", [["--json", "--version"], ["--version", "--json"]])
+def test_version_with_json_is_a_json_object(capsys, argv):
+    """--json before or after --version, as with any command: one object,
+    the version under the key `dsec info --json` gives the daemon's."""
+    import dsecd
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_args(argv)
+    assert exit_.value.code == 0 and json.loads(capsys.readouterr().out) == {"version": dsecd.__version__}
+
+
 def test_info_says_one_setting_in_the_singular():
     from dsecd import cli
 

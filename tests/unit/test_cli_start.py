@@ -103,7 +103,8 @@ def test_a_sigint_early_in_a_command_is_said_in_one_line_and_exits_130(tmp_path,
         listener.close()
 
 
-@pytest.mark.parametrize("args,status", [(["--help"], 0), (["--version"], 0), (["version"], 2), (["ps", "--help"], 0),
+@pytest.mark.parametrize("args,status", [(["--help"], 0), (["--version"], 0), (["--json", "--version"], 0),
+                                         (["version"], 2), (["ps", "--help"], 0),
                                          (["exec", "--help"], 0), (["fleet", "--help"], 0),
                                          (["top", "--sort", "nosuch"], 2)])
 def test_help_and_usage_errors_import_neither_the_client_nor_asyncio(tmp_path, args, status):
