@@ -86,6 +86,16 @@ ABANDONED_CREATE_WAIT_S = 10.0
 # ABANDONED_CREATE_WAIT_S at most (close() waits for the rest).
 SETTLED_WHEN_ABANDONED = ("exec", "file_tar_put", "file_remove", "proc_start", "snapshot", "pause", "resume",
                           "job_pause", "job_resume")
+# Requests that only read (file ops resume a paused sandbox, memory.auto_resume:
+# sent again, they find it running): one whose connection was lost after it
+# was sent is sent again, once, on the next connection (reconnect=True), as
+# one never sent is, so that a Process.wait() or an inspect outlives a daemon
+# restart. Those that stream what they read (FOLLOWS_ONLY) are not: what came
+# before the loss would come again; their error says they are safe to send again.
+CHANGES_NOTHING = ("ping", "info", "image_du", "image_list", "image_inspect", "policy_list", "top", "list",
+                   "inspect", "proc_list", "proc_wait", "file_read", "file_list", "file_stat", "net_show",
+                   "net_sets", "pool_list")
+FOLLOWS_ONLY = ("proc_logs", "events", "file_watch", "file_tar_get")
 # A lost connection is made again at the next request (reconnect=True):
 # while the daemon does not answer (a restart: no socket, or refused), tries
 # this far apart at first, doubled after each failure up to the max, for
@@ -382,6 +392,8 @@ def lost_after_sending(op: str) -> str:
     """What a connection lost after `op` was sent leaves open, for its error."""
     if op == "create":
         return "; the create may have been carried out (sent again with the same idempotency key, it is safe)"
+    if op in CHANGES_NOTHING or op in FOLLOWS_ONLY:
+        return "; it changes nothing, so it is safe to send again"
     return "; the request may have been carried out"
 
 
@@ -1006,19 +1018,28 @@ class Client:
         # never reached the daemon: it goes on the next connection, once the
         # daemon answers again (connect_timeout from its first loss at most).
         # One that was written may have run and is not sent again.
+        # So does one that changes nothing (CHANGES_NOTHING) of which nothing
+        # had come, once: lost again, the daemon may be failing on it.
         deadline = None
+        resent = False
         while True:
             conn = await self._connection(op, deadline)
+            came = False
             try:
                 async with contextlib.aclosing(self._frames_on(conn, rid, op, args, sent)) as frames:
                     async for frame in frames:
+                        came = True
                         yield frame
                 return
             except _Unsent as err:
                 if not self.reconnect or self._closed:
                     raise self._lost_error(err.cause, op, sent=False) from None
-                if deadline is None:
-                    deadline = asyncio.get_running_loop().time() + self.connect_timeout
+            except ConnectionLost:
+                if came or resent or op not in CHANGES_NOTHING or not self.reconnect or self._closed:
+                    raise
+                resent = True
+            if deadline is None:
+                deadline = asyncio.get_running_loop().time() + self.connect_timeout
 
     async def _frames_on(self, conn: _Conn, rid: int, op: str, args: dict,
                          sent: asyncio.Event | None) -> AsyncIterator[dict]:

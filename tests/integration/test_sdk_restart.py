@@ -59,3 +59,29 @@ def test_execs_queued_in_the_client_run_after_a_daemon_restart(restartable, sig)
     # Those that failed had been sent, at most the slots the daemon gives one
     # connection; nothing ran twice (nothing sent was sent again).
     assert 0 < len(lost) <= 16 and set(done) <= set(ran) and len(ran) == len(set(ran))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill9"])
+def test_a_process_waited_for_across_a_daemon_restart_is_waited_for_still(restartable, sig):
+    """A background process outlives the daemon; Process.wait() only reads,
+    so the wait the old daemon had goes again to the new one and returns
+    the process's end, not ConnectionLost."""
+    d = restartable
+
+    async def go():
+        async with dsecd.Client(d.socket) as c:
+            sb = await c.create(image="busybox")
+            proc = await sb.spawn("while [ ! -e /tmp/go ]; do sleep 0.05; done; exit 5")
+            waited = asyncio.create_task(proc.wait())
+            async with dsecd.Client(d.socket) as other:       # the wait is under way on c's connection
+                while not any(p.pid == proc.pid for p in await (await other.get(sb.id)).processes()):
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)          # for the wait to be sent: one lost unsent goes again too
+            await asyncio.to_thread(d.stop, sig)
+            await asyncio.to_thread(d.start)
+            async with dsecd.Client(d.socket) as other:
+                await (await other.get(sb.id)).write_file("/tmp/go", b"")
+            return await waited
+
+    status = asyncio.run(go())
+    assert (status.state, status.exit_code) == ("exited", 5)

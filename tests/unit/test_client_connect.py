@@ -178,7 +178,9 @@ def test_a_lost_connection_names_the_idempotency_key_only_for_a_create():
     create = str(c._lost_error(ConnectionResetError("reset"), "create", sent=True))
     events = str(c._lost_error(ConnectionResetError("reset"), "events", sent=True))
     assert "idempotency key" in create and "may have been carried out" in create
-    assert "idempotency key" not in events and "may have been carried out" in events
+    assert "idempotency key" not in events and "changes nothing, so it is safe to send again" in events
+    exec_ = str(c._lost_error(ConnectionResetError("reset"), "exec", sent=True))
+    assert "idempotency key" not in exec_ and "may have been carried out" in exec_
     assert "carried out" not in str(c._lost_error(ConnectionResetError("reset"), "create", sent=False))
 
 
@@ -211,14 +213,14 @@ def test_a_request_whose_send_fails_says_why_the_connection_ended(tmp_path, monk
 
             monkeypatch.setattr(c, "_send", send)
             with pytest.raises(ConnectionLost) as e:
-                await c.request("list")
+                await c.request("proc_kill")        # one not sent again (CHANGES_NOTHING)
             await c.close()
             return str(e.value)
         finally:
             server.close()
 
     said = asyncio.run(go())
-    assert said.startswith(f"list on {path}: connection lost: the daemon closed it"), said
+    assert said.startswith(f"proc_kill on {path}: connection lost: the daemon closed it"), said
 
 
 async def _answer_everything(reader, writer) -> None:
@@ -413,9 +415,9 @@ def test_after_a_daemon_restart_the_next_request_connects_again(tmp_path):
         try:
             async with Client(path, reconnect=reconnect) as c:
                 with pytest.raises(ConnectionLost):
-                    await c.request("ping")
+                    await c.request("proc_kill")
                 try:
-                    return await c.request("ping"), len(conns)
+                    return await c.request("proc_kill"), len(conns)
                 except ConnectionLost as err:
                     return str(err), len(conns)
         finally:
@@ -476,7 +478,7 @@ def test_requests_queued_when_the_daemon_restarts_go_out_on_the_new_connection(t
         async with Client(path, connect_timeout=20) as c:
             async def one(n):
                 try:
-                    return (await c.request("ping", n=n))["n"]
+                    return (await c.request("proc_kill", n=n))["n"]
                 except ConnectionLost as err:
                     return err
             tasks = [asyncio.create_task(one(n)) for n in range(6)]
@@ -524,7 +526,7 @@ def test_a_queued_request_fails_unsent_when_the_daemon_does_not_come_back(tmp_pa
     async def go():
         servers.append(await asyncio.start_unix_server(daemon, path))
         async with Client(path, connect_timeout=0.5) as c:
-            tasks = [asyncio.create_task(c.request("ping", n=n)) for n in range(3)]
+            tasks = [asyncio.create_task(c.request("proc_kill", n=n)) for n in range(3)]
             return await asyncio.gather(*tasks, return_exceptions=True)
 
     results = asyncio.run(go())
@@ -533,3 +535,49 @@ def test_a_queued_request_fails_unsent_when_the_daemon_does_not_come_back(tmp_pa
     said = str(results[2])
     assert "did not answer again within 0.5 s" in said and "not sent, so it did not run" in said
     assert "No such file or directory" in said
+
+
+def test_a_request_that_changes_nothing_is_sent_again_after_a_restart(tmp_path):
+    """A proc_wait (Process.wait) the daemon had when it restarted is sent
+    again on the new connection: it only reads. A request that changes
+    something fails, saying it may have been carried out."""
+    from dsecd import ConnectionLost
+
+    path = str(tmp_path / "d.sock")
+    got: list[tuple[int, str]] = []
+    servers = []
+
+    async def daemon(reader, writer):
+        nth = len(servers)          # 1: the old daemon, 2: the new one
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] == "hello":
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
+                    continue
+                got.append((nth, f["op"]))
+                if nth == 1 and len(got) == 2:       # the old daemon had both: it goes
+                    servers[0].close()
+                    os.unlink(path)
+                    writer.transport.abort()
+                    return
+                if nth == 2:
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"state": "exited"}}))
+
+    async def go():
+        servers.append(await asyncio.start_unix_server(daemon, path))
+        async with Client(path, connect_timeout=20) as c:
+            waited = asyncio.create_task(c.request("proc_wait", sandbox="s", pid=2))
+            killed = asyncio.create_task(c.request("proc_kill", sandbox="s", pid=2, signal="TERM"))
+            while len(got) < 2:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            servers.append(await asyncio.start_unix_server(daemon, path))
+            try:
+                return await asyncio.gather(waited, killed, return_exceptions=True)
+            finally:
+                servers[1].close()
+
+    waited, killed = asyncio.run(go())
+    assert waited == {"state": "exited"} and (2, "proc_wait") in got and (2, "proc_kill") not in got
+    assert isinstance(killed, ConnectionLost) and killed.sent and "may have been carried out" in str(killed)
