@@ -2033,8 +2033,10 @@ class Sandbox:
         if not path.startswith("/") or not name:
             raise ValueError(f"write_file: give an absolute path of a file, got {path!r}")
         tmp = f"{parent}/.dsec-{secrets.token_hex(6)}"         # short: the target's name may be 255 bytes
+        made_on: list[_Conn] = []
         try:
-            size = await self._write_chunks(tmp, pieces, mode, parents, temporary=True, owner=owner)
+            size = await self._write_chunks(tmp, pieces, mode, parents, temporary=True, owner=owner,
+                                            made_on=made_on)
             await self.client.request("file_rename", sandbox=self.id, src=tmp, dst=path, overwrite=True,
                                       keep_attrs=True)
         except BaseException as err:
@@ -2042,10 +2044,24 @@ class Sandbox:
             with contextlib.suppress(DsecError, ConnectionError):
                 await asyncio.shield(self.remove(tmp))
                 removed = True
+            if isinstance(err, NotFound) and made_on and self._connection_now() is not made_on[0]:
+                # The connection the temporary file was made on was lost (a
+                # daemon restart), and the file with it (the daemon removes
+                # one whose connection ended); a later piece, or the rename,
+                # went on the next connection and found it gone.
+                raise ConnectionLost(
+                    f"file_write on {self.client.target}: connection lost while writing {self.id}:{path}: the "
+                    f"part written went with it (it was written under a temporary name), and {path} is as it "
+                    "was; write it again", target=self.client.target, op="file_write", sent=True) from None
             if isinstance(err, DsecError):      # the caller knows no temporary file: name theirs
                 raise named_as(err, tmp, path, removed, verb=("rename", "write")) from None
             raise
         return size
+
+    def _connection_now(self) -> _Conn | None:
+        """The client's connection at this moment (a new one after a loss);
+        None for a client that keeps none of its own."""
+        return getattr(self.client, "_conn", None)
 
     def _keeps_temporaries(self) -> bool:
         """Whether the daemon takes `temporary` on file_write and file_tar_put
@@ -2058,11 +2074,13 @@ class Sandbox:
         return self.client.server.get("limits", {}).get("max_file_chunk_bytes", DEFAULT_CHUNK)
 
     async def _write_chunks(self, path: str, pieces: AsyncIterator, mode: int, parents: bool,
-                            temporary: bool = False, owner: int | str | None = None) -> int:
+                            temporary: bool = False, owner: int | str | None = None,
+                            made_on: list | None = None) -> int:
         """The first piece truncates (or creates) the file; the others go at
         their offsets, PIPELINE requests at once, so that one piece travels
         while the sandbox's copier writes the one before (and the next is
-        read from its source). The bytes written."""
+        read from its source). The bytes written. `made_on` gets the
+        connection the file was made on."""
         # A chunk whose request is cancelled goes on in the daemon (its open
         # runs in a worker) and makes the file again if it is missing: a
         # cancelled write lets the chunks in flight end before it ends, so
@@ -2089,6 +2107,8 @@ class Sandbox:
                 # file whose connection ended, the client reconnecting), they
                 # fail instead of making a new one without the pieces before.
                 same = {"same_as": made["file"]} if made.get("file") else {}
+                if made_on is not None:
+                    made_on.append(self._connection_now())
                 written = len(first)
                 taking = asyncio.Lock()         # one writer reads the source at a time
                 failed: list[Exception] = []

@@ -85,3 +85,45 @@ def test_a_process_waited_for_across_a_daemon_restart_is_waited_for_still(restar
 
     status = asyncio.run(go())
     assert (status.state, status.exit_code) == ("exited", 5)
+
+
+@pytest.mark.parametrize("more", [True, False], ids=["next_piece", "rename"])
+def test_a_write_file_cut_by_a_daemon_restart_says_so(daemon_factory, busybox_rootfs, more):
+    """write_file's first piece made its temporary file on the old daemon's
+    connection, which removed it; the next piece (or the rename, if there
+    is no other) goes to the new daemon. Its failure is the lost
+    connection, naming the caller's path, which is left as it was, not
+    that the file is not found."""
+    d = daemon_factory('[limits]\nmax_file_chunk_bytes = "64K"\n')
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    c.close()
+    restarted = asyncio.Event()
+
+    async def source(size):
+        yield b"a" * size                # the first piece, whole: it goes at once
+        await restarted.wait()
+        if more:
+            yield b"b" * size
+
+    async def go():
+        async with dsecd.Client(d.socket) as c:
+            sb = await c.create(image="busybox")
+            await sb.write_file("/tmp/out", b"old")
+            size = sb._chunk_size()
+            writing = asyncio.create_task(sb.write_file("/tmp/out", source(size)))
+            async with dsecd.Client(d.socket) as other:     # the first piece is there, as a temporary file
+                seen = await other.get(sb.id)
+                while not any(e["name"].startswith(".dsec-") and e["size"] == size
+                              for e in await seen.list_files("/tmp")):
+                    await asyncio.sleep(0.05)
+            await asyncio.to_thread(d.stop)
+            await asyncio.to_thread(d.start)
+            restarted.set()
+            with pytest.raises(ConnectionLost) as e:
+                await writing
+            return str(e.value), await sb.read_file("/tmp/out"), [x["name"] for x in await sb.list_files("/tmp")]
+
+    said, data, names = asyncio.run(go())
+    assert "connection lost while writing" in said and ":/tmp/out" in said and "is as it was" in said, said
+    assert data == b"old" and names == ["out"]
