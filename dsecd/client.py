@@ -909,10 +909,11 @@ class Client:
             text += "; call connect() again (or make the Client with reconnect=True) to go on"
         return ConnectionLost(text, target=self.target, op=op, sent=sent)
 
-    async def _connection(self, op: str, deadline: float | None = None) -> _Conn:
+    async def _connection(self, op: str, deadline: float | None = None, sent: bool = False) -> _Conn:
         """The live connection; after a loss, a new one if `reconnect`,
         waiting for the daemon to answer again until `deadline` (loop time;
-        default: connect_timeout from now)."""
+        default: connect_timeout from now). `sent`: the request was sent on
+        a connection lost since (it is to go again), for the error."""
         conn = self._conn
         if conn is not None and conn.pid != os.getpid():
             # Its frames would interleave with the parent's on the one socket.
@@ -939,7 +940,7 @@ class Client:
         # A reconnect must not cancel the reader before it has told on_lost.
         await self._reason(conn)
         if not self.reconnect or self._closed:
-            raise self._lost_error(conn.lost, op, sent=False)
+            raise self._lost_error(conn.lost, op, sent=sent)
         loop = asyncio.get_running_loop()
         if deadline is None:
             deadline = loop.time() + self.connect_timeout
@@ -968,11 +969,12 @@ class Client:
             why = f" (last: {self._reconnect_error})" if self._reconnect_error is not None else ""
             raise ConnectionLost(
                 f"{op} on {self.target}: connection lost: {conn.lost}; the daemon did not answer again within "
-                f"{self.connect_timeout:g} s (the Client's connect_timeout){why}; the request was not sent, "
-                "so it did not run", target=self.target, op=op, sent=False) from None
+                f"{self.connect_timeout:g} s (the Client's connect_timeout){why}"
+                + (lost_after_sending(op) if sent else "; the request was not sent, so it did not run"),
+                target=self.target, op=op, sent=sent) from None
         conn = self._conn
         if self._closed or conn is None or conn.lost is not None:
-            raise self._lost_error(conn.lost if conn else ConnectionError("closed"), op, sent=False)
+            raise self._lost_error(conn.lost if conn else ConnectionError("closed"), op, sent=sent)
         return conn
 
     @staticmethod
@@ -1017,13 +1019,17 @@ class Client:
         # was refused for the in-flight limit, when its connection was lost)
         # never reached the daemon: it goes on the next connection, once the
         # daemon answers again (connect_timeout from its first loss at most).
-        # One that was written may have run and is not sent again.
-        # So does one that changes nothing (CHANGES_NOTHING) of which nothing
-        # had come, once: lost again, the daemon may be failing on it.
+        # One that was written may have run and is not sent again, unless
+        # sending it again is safe and nothing of its answer had come: one
+        # that changes nothing (CHANGES_NOTHING), or a create with an
+        # idempotency key (the daemon journals the key: the create it made
+        # before the loss, if any, is the answer). Once: lost again, the
+        # daemon may be failing on it.
+        again_safe = op in CHANGES_NOTHING or (op == "create" and bool(args.get("key")))
         deadline = None
         resent = False
         while True:
-            conn = await self._connection(op, deadline)
+            conn = await self._connection(op, deadline, sent=resent)
             came = False
             try:
                 async with contextlib.aclosing(self._frames_on(conn, rid, op, args, sent)) as frames:
@@ -1035,7 +1041,7 @@ class Client:
                 if not self.reconnect or self._closed:
                     raise self._lost_error(err.cause, op, sent=False) from None
             except ConnectionLost:
-                if came or resent or op not in CHANGES_NOTHING or not self.reconnect or self._closed:
+                if came or resent or not again_safe or not self.reconnect or self._closed:
                     raise
                 resent = True
             if deadline is None:
@@ -2033,7 +2039,7 @@ class Sandbox:
         if not path.startswith("/") or not name:
             raise ValueError(f"write_file: give an absolute path of a file, got {path!r}")
         tmp = f"{parent}/.dsec-{secrets.token_hex(6)}"         # short: the target's name may be 255 bytes
-        made_on: list[_Conn] = []
+        made_on: list[_Conn | None] = []
         try:
             size = await self._write_chunks(tmp, pieces, mode, parents, temporary=True, owner=owner,
                                             made_on=made_on)

@@ -553,11 +553,11 @@ class _Client(Client):
     """The Client under a SyncClient: one never connected says what a
     SyncClient's user does about it (Client's own advice is `async with`)."""
 
-    async def _connection(self, op: str, deadline: float | None = None):
+    async def _connection(self, op: str, deadline: float | None = None, sent: bool = False):
         if self._conn is None:
             raise ConnectionError(f"{op}: not connected to dsecd at {self.target}: call connect() first "
                                   "(or use `with`)")
-        return await super()._connection(op, deadline)
+        return await super()._connection(op, deadline, sent)
 
 
 class SyncClient(_LoopThread):

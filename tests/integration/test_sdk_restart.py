@@ -127,3 +127,27 @@ def test_a_write_file_cut_by_a_daemon_restart_says_so(daemon_factory, busybox_ro
     said, data, names = asyncio.run(go())
     assert "connection lost while writing" in said and ":/tmp/out" in said and "is as it was" in said, said
     assert data == b"old" and names == ["out"]
+
+
+def test_a_keyed_create_the_daemon_had_when_it_died_is_sent_again(restartable):
+    """Both creates are written to a daemon that is stopped, then killed: the
+    one with an idempotency key goes again to the next daemon and makes one
+    sandbox; the one without fails, saying it may have been carried out."""
+    d = restartable
+
+    async def go():
+        async with dsecd.Client(d.socket) as c:
+            d.proc.send_signal(signal.SIGSTOP)       # it reads nothing more: both wait in its socket
+            try:
+                keyed = asyncio.create_task(c.create(image="busybox", key="trainer-7", labels={"k": "1"}))
+                plain = asyncio.create_task(c.create(image="busybox", labels={"k": "1"}))
+                await asyncio.sleep(0.2)
+            finally:
+                await asyncio.to_thread(d.stop, signal.SIGKILL)
+            await asyncio.to_thread(d.start)
+            made, lost = await asyncio.gather(keyed, plain, return_exceptions=True)
+            return made, lost, await c.list(labels={"k": "1"})
+
+    made, lost, listed = asyncio.run(go())
+    assert isinstance(made, dsecd.Sandbox) and [s["id"] for s in listed] == [made.id]
+    assert isinstance(lost, ConnectionLost) and lost.sent and "may have been carried out" in str(lost)

@@ -581,3 +581,83 @@ def test_a_request_that_changes_nothing_is_sent_again_after_a_restart(tmp_path):
     waited, killed = asyncio.run(go())
     assert waited == {"state": "exited"} and (2, "proc_wait") in got and (2, "proc_kill") not in got
     assert isinstance(killed, ConnectionLost) and killed.sent and "may have been carried out" in str(killed)
+
+
+def test_a_create_with_an_idempotency_key_lost_in_a_restart_is_sent_again(tmp_path):
+    """A create the old daemon had, with a key, is sent again to the new
+    one, which answers with what the key made; one without a key fails,
+    saying it may have been carried out."""
+    from dsecd import ConnectionLost
+
+    path = str(tmp_path / "d.sock")
+    got: list[tuple[int, dict]] = []
+    servers = []
+
+    async def daemon(reader, writer):
+        nth = len(servers)          # 1: the old daemon, 2: the new one
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] == "hello":
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
+                    continue
+                got.append((nth, f["args"]))
+                if nth == 1 and len(got) == 2:       # the old daemon had both: it goes
+                    servers[0].close()
+                    os.unlink(path)
+                    writer.transport.abort()
+                    return
+                if nth == 2:
+                    writer.write(protocol.encode_frame(
+                        {"id": f["id"], "result": {"id": "5b1d", "state": "running", "existing": True}}))
+
+    async def go():
+        servers.append(await asyncio.start_unix_server(daemon, path))
+        async with Client(path, connect_timeout=20) as c:
+            keyed = asyncio.create_task(c.create(image="busybox", key="job-7"))
+            plain = asyncio.create_task(c.create(image="busybox"))
+            while len(got) < 2:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            servers.append(await asyncio.start_unix_server(daemon, path))
+            try:
+                return await asyncio.gather(keyed, plain, return_exceptions=True)
+            finally:
+                servers[1].close()
+
+    keyed, plain = asyncio.run(go())
+    assert keyed.id == "5b1d" and [args.get("key") for nth, args in got if nth == 2] == ["job-7"]
+    assert isinstance(plain, ConnectionLost) and plain.sent and "may have been carried out" in str(plain)
+
+
+def test_a_keyed_create_sent_again_says_it_may_have_run_when_the_daemon_stays_away(tmp_path):
+    """The create was sent before the loss: if no daemon answers again in
+    connect_timeout, its error says it may have been carried out (sent),
+    not that it did not run."""
+    from dsecd import ConnectionLost
+
+    path = str(tmp_path / "d.sock")
+    servers = []
+
+    async def daemon(reader, writer):
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] == "hello":
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
+                    continue
+                servers[0].close()
+                os.unlink(path)
+                writer.transport.abort()
+                return
+
+    async def go():
+        servers.append(await asyncio.start_unix_server(daemon, path))
+        async with Client(path, connect_timeout=0.5) as c:
+            with pytest.raises(ConnectionLost) as e:
+                await c.create(image="busybox", key="job-7")
+            return e.value
+
+    err = asyncio.run(go())
+    assert err.sent and "did not answer again within 0.5 s" in str(err)
+    assert "may have been carried out" in str(err) and "did not run" not in str(err)
