@@ -1739,22 +1739,35 @@ class ExecStream:
         self._sent = asyncio.Event()
         self._iterated = False
         self._stdin_failed: Exception | None = None      # the stdin iterator's own error
+        # Why the exec ended before it was sent (set then, with _sent, so
+        # that write, resize and signal waiting for it end too).
+        self._unsent: BaseException | None = None
+
+    async def _until_sent(self, op: str) -> None:
+        """Wait until the exec request is on the wire; raise if it ended without being sent."""
+        await self._sent.wait()
+        if self._unsent is not None:
+            text = (f"{op}: exec {self.args['argv']!r} in {self.sb.id} was never sent, so it did not run: "
+                    f"{type(self._unsent).__name__}: {self._unsent}")
+            if isinstance(self._unsent, ConnectionError):
+                raise ConnectionLost(text, target=self.sb.client.target, op=op, sent=False)
+            raise RuntimeError(text)
 
     async def write(self, data: bytes) -> None:
         """Input for the running exec (one exec_input; waits while it does not read)."""
-        await self._sent.wait()
+        await self._until_sent("exec_input")
         await self.sb.client.request("exec_input", exec_id=self.exec_id, data=bytes(data))
 
     async def resize(self, rows: int, cols: int) -> None:
         """A pty exec's window size; its foreground process group gets SIGWINCH."""
-        await self._sent.wait()
+        await self._until_sent("exec_resize")
         await self.sb.client.request("exec_resize", exec_id=self.exec_id, rows=rows, cols=cols)
 
     async def signal(self, signal: int | str) -> None:
         """Send a signal to the running exec's process group: a number or a
         name ("INT", "SIGTERM"); one still starting gets it once it has
         started. NotFound when it has ended."""
-        await self._sent.wait()
+        await self._until_sent("exec_signal")
         sig = int(signal) if not isinstance(signal, str) else signal
         await self.sb.client.request("exec_signal", exec_id=self.exec_id, signal=sig)
 
@@ -1800,6 +1813,7 @@ class ExecStream:
         rid, sent = self.exec_id, self._sent
         if self.stdin is not None:
             feeder = asyncio.get_running_loop().create_task(self._feed(rid, sent))
+        failure: BaseException | None = None
         try:
             async with contextlib.aclosing(c.frames_with_id(rid, "exec", self.args, sent)) as frames:
                 async for frame in frames:
@@ -1807,14 +1821,23 @@ class ExecStream:
                         self.result = ExecResult.from_result(frame["__result__"])
                         return
                     yield frame["fd"], frame["data"]
+        except BaseException as err:
+            failure = err
+            raise
         finally:
             if feeder:
                 if not feeder.done():
                     feeder.cancel()
                 with contextlib.suppress(asyncio.CancelledError, DsecError, ConnectionError):
                     await feeder
-                if self._stdin_failed is not None:
-                    raise self._stdin_failed
+            if not sent.is_set():
+                # Never sent (its connection lost for good, its arguments
+                # refused here, the loop closed early): write, resize and
+                # signal waiting for it raise instead of waiting for ever.
+                self._unsent = failure or RuntimeError("the loop iterating it stopped first")
+                sent.set()
+            if feeder and self._stdin_failed is not None:
+                raise self._stdin_failed
 
 
 @dataclass

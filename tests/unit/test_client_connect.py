@@ -661,3 +661,34 @@ def test_a_keyed_create_sent_again_says_it_may_have_run_when_the_daemon_stays_aw
     err = asyncio.run(go())
     assert err.sent and "did not answer again within 0.5 s" in str(err)
     assert "may have been carried out" in str(err) and "did not run" not in str(err)
+
+
+def test_a_write_to_an_exec_that_was_never_sent_raises_instead_of_waiting(tmp_path):
+    """stream.write() waits for the exec to be on the wire; an exec that
+    failed before it was (its connection gone, reconnect=False) makes the
+    write raise, not wait for ever."""
+    from dsecd import ConnectionLost
+    from dsecd.client import Sandbox
+
+    path = str(tmp_path / "d.sock")
+
+    async def go():
+        server = await asyncio.start_unix_server(hello_then_drop, path)
+        try:
+            async with Client(path, reconnect=False) as c:
+                with pytest.raises(ConnectionLost):
+                    await c.request("proc_kill")            # the connection goes
+                stream = Sandbox(c, "5b1d", {}).exec_stream(["cat"])
+                writer = asyncio.create_task(stream.write(b"x"))
+                with pytest.raises(ConnectionLost):
+                    async for _ in stream:
+                        pass
+                for _ in range(10):                         # the writer's turn to wake
+                    await asyncio.sleep(0)
+                assert writer.done(), "write() still waits for an exec that will never be sent"
+                return writer.exception()
+        finally:
+            server.close()
+
+    err = asyncio.run(go())
+    assert isinstance(err, ConnectionLost) and not err.sent and "was never sent, so it did not run" in str(err)
