@@ -55,15 +55,28 @@ class _Undo:
     most PIECE bytes (a few KiB of gzip may stand for gigabytes). Streams
     that follow one another (pigz, pbzip2, `cat a.gz b.gz`) are undone one
     after the other; anything else after the last is ignored, as gzip(1)
-    ignores trailing zeros."""
+    ignores trailing zeros. Whether another stream follows is known only
+    once its magic has come: a read may end where a stream does, or within
+    the next one's first bytes (a writer that writes one stream at a time)."""
 
     def __init__(self, kind: str):
         self.kind = kind
+        self.magic = next(m for m, k in _FORMATS if k == kind)
         self.d = _decompressor(kind)
+        self.rest = b""             # after a stream's end: the bytes come since
         self.over = False
 
     def feed(self, data: bytes):
         while not self.over:
+            if self.d is None:      # a stream ended: does another follow?
+                data, self.rest = self.rest + data, b""
+                if len(data) < len(self.magic) and self.magic.startswith(data):
+                    self.rest = data        # the next read says
+                    return
+                if not data.startswith(self.magic):
+                    self.over = True
+                    return
+                self.d = _decompressor(self.kind)
             if self.kind == "gzip":
                 out = self.d.decompress(data, PIECE)
                 data = self.d.unconsumed_tail
@@ -75,16 +88,12 @@ class _Undo:
             if out:
                 yield out
             if self.d.eof:
-                rest = self.d.unused_data + data
-                if not rest.startswith(next(m for m, k in _FORMATS if k == self.kind)):
-                    self.over = True
-                    return
-                self.d, data, more = _decompressor(self.kind), rest, True
+                data, self.d, more = self.d.unused_data + data, None, True
             if not more:
                 return
 
     def end(self) -> None:
-        if not self.over and not self.d.eof:
+        if not self.over and self.d is not None and not self.d.eof:
             raise BadRequest(f"stdin's {self.kind} stream ends before its end: the archive is cut short")
 
 

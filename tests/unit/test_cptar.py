@@ -79,3 +79,23 @@ def test_reads_are_gathered_into_whole_batches():
 def test_a_stream_that_trickles_in_is_not_held_back_for_a_batch():
     """What came goes on once it waited `patience`, though the batch is not full."""
     assert _batches([b"a", b"b", b"c"], size=1 << 20, patience=0.01, pause=0.3) == [b"a", b"b", b"c"]
+
+
+@pytest.mark.parametrize("compress", [gzip.compress, bz2.compress, lzma.compress], ids=["gzip", "bzip2", "xz"])
+@pytest.mark.parametrize("cut", [0, 1, 2], ids=["at", "1-after", "2-after"])
+def test_a_read_that_ends_where_a_stream_does_does_not_end_the_undoing(compress, cut):
+    """pbzip2 writes one stream at a time: a pipe's read often ends with
+    one, or a byte or two of the next's magic, and the next read brings
+    the rest of the next stream."""
+    first = compress(b"first ")
+    whole = first + compress(b"second")
+    at = len(first) + cut
+
+    async def chunks():
+        yield whole[:at]
+        yield whole[at:]
+
+    async def run() -> bytes:
+        return b"".join([piece async for piece in cptar.decompressed(chunks())])
+
+    assert asyncio.run(run()) == b"first second"
