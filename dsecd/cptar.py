@@ -77,12 +77,15 @@ class _Undo:
                     self.over = True
                     return
                 self.d = _decompressor(self.kind)
-            if self.kind == "gzip":
+            try:
                 out = self.d.decompress(data, PIECE)
+            except (zlib.error, lzma.LZMAError, OSError) as err:     # bz2 says OSError
+                raise BadRequest(f"stdin's {self.kind} stream is damaged ({err}): the archive cannot be "
+                                 "read") from None
+            if self.kind == "gzip":
                 data = self.d.unconsumed_tail
                 more = bool(data) or len(out) == PIECE
             else:
-                out = self.d.decompress(data, PIECE)
                 data = b""
                 more = not self.d.needs_input and not self.d.eof
             if out:

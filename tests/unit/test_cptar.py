@@ -99,3 +99,19 @@ def test_a_read_that_ends_where_a_stream_does_does_not_end_the_undoing(compress,
         return b"".join([piece async for piece in cptar.decompressed(chunks())])
 
     assert asyncio.run(run()) == b"first second"
+
+
+@pytest.mark.parametrize("magic,name", [(b"\x1f\x8b", "gzip"), (b"\xfd7zXZ\x00", "xz"), (b"BZh", "bzip2")])
+def test_a_damaged_compressed_stream_is_said_to_be(magic, name):
+    """Bytes that begin as a compressed stream does but are none: the error
+    says what stdin is, not the decompressor's own exception (which the CLI
+    would show as a traceback)."""
+    with pytest.raises(BadRequest, match=f"stdin's {name} stream is damaged"):
+        _undone(magic + b"garbage" * 10)
+
+
+def test_a_stream_damaged_after_its_start_is_said_to_be():
+    data = bytearray(gzip.compress(TAR_LIKE))
+    data[len(data) // 2:len(data) // 2 + 64] = b"\xff" * 64
+    with pytest.raises(BadRequest, match="stdin's gzip stream is damaged"):
+        _undone(bytes(data))
