@@ -103,11 +103,35 @@ def check(m: tarfile.TarInfo, seen: Seen) -> str:
     return rel
 
 
+class Member(tarfile.TarInfo):
+    """The TarInfo class of a stream read that check_end checks
+    (tarfile.open(..., tarinfo=Member)): it notes on the archive a block
+    that comes where a header should and is none, which tarfile's reader
+    takes for the archive's end without a word, as it does an input that
+    runs out at a header."""
+
+    @classmethod
+    def fromtarfile(cls, tf):
+        try:
+            return super().fromtarfile(tf)
+        except tarfile.InvalidHeaderError as err:
+            tf.invalid_header = err
+            raise
+
+
 def check_end(tf: tarfile.TarFile) -> None:
-    """Once stream-mode (`r|`) `tf` gave its last member: raise ReadError
-    unless the archive ended with its end-of-archive block. tarfile ends a
-    stream quietly where the input runs out at or in an entry's header, so
-    an archive cut there would pass for a whole one with fewer entries."""
+    """Once stream-mode (`r|`) `tf`, opened with tarinfo=Member, gave its
+    last member: raise ReadError unless the archive ended with its
+    end-of-archive block. tarfile ends a stream quietly where the input
+    runs out at or in an entry's header, or where a block is no header (a
+    damaged or spliced stream), so such an archive would pass for a whole
+    one with fewer entries."""
+    if tf.tarinfo is not Member:
+        raise TypeError("check_end: open the archive with tarinfo=tarsafe.Member")
+    bad = getattr(tf, "invalid_header", None)
+    if bad is not None:
+        raise tarfile.ReadError(f"a block where an entry's header should begin is none ({bad}): the archive "
+                                "is damaged")
     if tf.fileobj.tell() != tf.offset + tarfile.BLOCKSIZE:
         raise tarfile.ReadError("it ends without its end-of-archive block: the archive was cut short")
 

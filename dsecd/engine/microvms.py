@@ -1234,7 +1234,7 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None) -> tar
                 record(b"d", path)
                 made.add(path)
 
-    with tarfile.open(fileobj=pipe, mode="r|", errorlevel=2) as tf:
+    with tarfile.open(fileobj=pipe, mode="r|", errorlevel=2, tarinfo=tarsafe.Member) as tf:
         for m in tf:
             rel = tarsafe.check(m, seen)
             if m.isdir():

@@ -101,7 +101,7 @@ def _extract_into(pfd: int, tmp: str, fileobj, seen: tarsafe.Seen, fill) -> dict
     dir_modes: dict[str, tuple[int, float]] = {"": (0o755, -1.0)}
     made = {""}
     try:
-        with tarfile.open(fileobj=fileobj, mode="r|", errorlevel=2) as tf:
+        with tarfile.open(fileobj=fileobj, mode="r|", errorlevel=2, tarinfo=tarsafe.Member) as tf:
             for m in tf:
                 rel = tarsafe.check(m, seen)
                 if m.isdir():

@@ -133,3 +133,29 @@ def test_a_microvm_put_gives_them_0755_too():
         if kind == b"D":
             modes[name] = mode
     assert modes == {"": 0o755, "a": 0o755, "a/b": 0o755}
+
+
+def _damaged_second_header() -> bytes:
+    """A tar of three entries whose second header block is not a header (its
+    checksum does not match: a corrupt or spliced stream)."""
+    data = bytearray(_tar_of(3))
+    data[1024:1024 + 8] = b"garbage!"
+    return bytes(data)
+
+
+def test_a_tar_whose_header_is_damaged_is_refused(tmp_path):
+    """tarfile's stream reader also ends quietly at a block after the first
+    that is no header: the copy must not pass for a whole one of the
+    entries before it."""
+    with pytest.raises(PathError, match="not a valid archive"):
+        _put(tmp_path, _damaged_second_header())
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_microvm_put_refuses_a_damaged_header_too():
+    from dsecd.engine.microvms import _put_records
+
+    sent: list[tuple[bytes, bool]] = []
+    with pytest.raises(tarfile.ReadError):
+        _put_records(io.BytesIO(_damaged_second_header()), lambda data, eof: sent.append((data, eof)), 100, 1 << 20)
+    assert not any(eof for _, eof in sent)
