@@ -102,13 +102,16 @@ class _Undo:
 
 async def decompressed(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """`chunks` as they come, or undone where they begin as a compressed
-    stream does."""
+    stream does. A tar begins with its first entry's name, which may begin
+    as a magic does (`BZh9...`): a first block that is a ustar header is a
+    tar, whatever its first bytes."""
     head = b""
     async for chunk in chunks:
         head += chunk
-        if len(head) >= 6:
+        if len(head) >= tarfile.BLOCKSIZE:
             break
-    kind = next((k for magic, k in _FORMATS if head.startswith(magic)), None)
+    tar = head[257:262] == b"ustar"
+    kind = None if tar else next((k for magic, k in _FORMATS if head.startswith(magic)), None)
     if kind is None:
         if head:
             yield head

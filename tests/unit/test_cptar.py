@@ -115,3 +115,17 @@ def test_a_stream_damaged_after_its_start_is_said_to_be():
     data[len(data) // 2:len(data) // 2 + 64] = b"\xff" * 64
     with pytest.raises(BadRequest, match="stdin's gzip stream is damaged"):
         _undone(bytes(data))
+
+
+def test_a_plain_tar_whose_first_name_begins_as_a_magic_does_is_not_undone():
+    """A tar begins with its first entry's name: `tar -cf - BZh9-notes`
+    begins as a bzip2 stream does, but its header says it is a tar."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        info = tarfile.TarInfo("BZh91AY&SY")
+        info.size = 5
+        tf.addfile(info, io.BytesIO(b"hello"))
+    assert b"".join(_undone(buf.getvalue(), step=100)) == buf.getvalue()
