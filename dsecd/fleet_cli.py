@@ -169,9 +169,10 @@ async def fleet_top(fleet: Fleet, a) -> int:
     print()
     rows = [[_host_col(s["host"]), s["id"], s["qos"], s["state"], f"{s['cpu']:g}", pct(s["cpu_pct"]),
              pct(s["throttled_pct"]), "-" if s["memory"] is None else human_bytes(s["memory"]),
-             "-" if s.get("swap") is None else human_bytes(s["swap"]), human_bytes(s["memory_limit"])]
+             human_bytes(s["memory_limit"]), "-" if s.get("swap") is None else human_bytes(s["swap"])]
             for s in ordered(top, a.sort)]
-    table(rows, ["HOST", "ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "SWAP", "MEM LIMIT"])
+    # SWAP last: scripts read these columns by position.
+    table(rows, ["HOST", "ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "MEM LIMIT", "SWAP"])
     return status
 
 

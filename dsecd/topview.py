@@ -54,7 +54,8 @@ def host_line(top: dict) -> str:
             f"cpu pressure {pct(psi)}")
 
 
-HEADER = ["ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "SWAP", "MEM LIMIT", "BALLOON"]
+# SWAP came last, after the others: scripts read the snapshot's columns by position.
+HEADER = ["ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "MEM LIMIT", "BALLOON", "SWAP"]
 
 
 def balloon_cell(b: dict | None) -> str:
@@ -75,9 +76,8 @@ def ordered(top: dict, sort: str = "cpu", reverse: bool = False) -> list[dict]:
 
 def rows(top: dict, sort: str = "cpu", reverse: bool = False) -> list[list[str]]:
     return [[s["id"], s["qos"] or "-", s["state"], f"{s['cpu']:g}", pct(s["cpu_pct"]), pct(s["throttled_pct"]),
-             "-" if s["memory"] is None else human_bytes(s["memory"]),
-             "-" if s.get("swap") is None else human_bytes(s["swap"]), human_bytes(s["memory_limit"]),
-             balloon_cell(s.get("vm_balloon"))]
+             "-" if s["memory"] is None else human_bytes(s["memory"]), human_bytes(s["memory_limit"]),
+             balloon_cell(s.get("vm_balloon")), "-" if s.get("swap") is None else human_bytes(s["swap"])]
             for s in ordered(top, sort, reverse)]
 
 

@@ -1,4 +1,5 @@
-"""`dsec top`'s table (dsecd/topview.py): the BALLOON column of microVMs."""
+"""`dsec top`'s table (dsecd/topview.py): its columns, the BALLOON column of
+microVMs, the live view."""
 
 from dsecd import topview
 
@@ -14,9 +15,19 @@ def test_balloon_column_says_guest_size_over_ram_or_why_not():
     top = {"sandboxes": [_row(id="vm", vm_balloon={"guest_size": 129 * MiB, "ram": 256 * MiB, "skipped": False}),
                          _row(id="tmpl", vm_balloon={"guest_size": 256 * MiB, "ram": 256 * MiB, "skipped": True}),
                          _row(id="box", vm_balloon=None), _row(id="old")]}
-    cells = {r[0]: r[-1] for r in topview.rows(top, "id")}
-    assert topview.HEADER[-1] == "BALLOON"
+    at = topview.HEADER.index("BALLOON")
+    cells = {r[0]: r[at] for r in topview.rows(top, "id")}
     assert cells == {"vm": "129.0M/256.0M", "tmpl": "256.0M/256.0M (off)", "box": "-", "old": "-"}
+
+
+def test_columns_keep_their_places_and_swap_comes_last():
+    """Scripts read a snapshot's columns by position: a column added goes
+    after the ones they read."""
+    assert topview.HEADER == ["ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "MEM LIMIT", "BALLOON",
+                              "SWAP"]
+    rows = {r[0]: r for r in topview.rows({"sandboxes": [_row(id="a", swap=3 * MiB), _row(id="b")]}, "id")}
+    assert rows["a"][6:] == ["10.0M", "256.0M", "-", "3.0M"]
+    assert rows["b"][-1] == "-"                  # a daemon without the figure
 
 
 def test_the_live_view_goes_on_through_a_daemon_restart(monkeypatch):
