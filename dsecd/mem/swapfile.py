@@ -17,7 +17,9 @@ stopped with paused sandboxes (swapoff would have paged them all back in)
 is adopted by the next setup() of that daemon: the header also names the
 state dir of the daemon that made it, and a file another daemon made (two
 configured with one memory.swapfile.path) is refused (EBUSY), never swapped
-off or deleted, since its sandboxes may hold pages in it.
+off or deleted, since its sandboxes may hold pages in it; unless it is off
+and no daemon of its state dir runs (state_dir moved, the path kept): then
+it holds nothing and is made afresh.
 """
 
 from __future__ import annotations
@@ -31,7 +33,16 @@ from pathlib import Path
 
 from .. import native
 from ..sysfs import fs_type
-from .zram import active_swaps, made_by, owner_said, read_label, read_owner, swap_areas, swap_header
+from .zram import (
+    active_swaps,
+    made_by,
+    owner_pid,
+    owner_said,
+    read_label,
+    read_owner,
+    swap_areas,
+    swap_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +139,20 @@ class Swapfile:
                 raise SwapfileError(errno.EEXIST, f"swap file `{self.path}`: a file not made by dsecd is "
                                     "there; dsecd does not touch it (remove it or pick another path)")
             if (other := self.other_owner()) is not None:
-                raise SwapfileError(errno.EBUSY, f"swap file `{self.path}` is the one of the dsecd daemon with "
-                                    f"{owner_said(other)}; two daemons cannot share a swap file (one would "
-                                    "swap off or delete what the other's sandboxes use): give this one a "
-                                    "memory.swapfile.path of its own (\"\" is <state_dir>/swapfile)")
-            if self.adopt():                # a previous daemon's, left on for its paused sandboxes
+                if self.path in active_swaps() or owner_pid(other) is not None:
+                    raise SwapfileError(errno.EBUSY, f"swap file `{self.path}` is the one of the dsecd daemon "
+                                        f"with {owner_said(other)}; two daemons cannot share a swap file (one "
+                                        "would swap off or delete what the other's sandboxes use): give this one "
+                                        "a memory.swapfile.path of its own (\"\" is <state_dir>/swapfile)")
+                # Off, and no daemon of that state dir runs (state_dir moved,
+                # the path kept): no page is in it and nobody will switch it
+                # on, so it is made afresh for this daemon.
+                log.warning("swap file %s: left off by the daemon of state dir %s, which no longer runs; "
+                            "made afresh for this one", self.path, other)
+            elif self.adopt():                # a previous daemon's, left on for its paused sandboxes
                 log.info("swap file %s: adopted (still on)", self.path)
                 return self.path
-            os.unlink(self.path)            # ours, left off: made afresh (the size may differ)
+            os.unlink(self.path)            # left off (ours, or a gone daemon's): made afresh
         self._create(fstype)                # removes its own half-made file on failure
         try:
             self.swapon()

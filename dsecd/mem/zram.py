@@ -132,14 +132,22 @@ def made_by(found: str, owner: str) -> bool:
     return found == os.fsdecode(_owner_mark(owner)[len(OWNER_PREFIX):])
 
 
-def owner_said(state_dir: str) -> str:
-    """The daemon of another state dir, as a message names it: with the pid
-    its lock file holds while that process is there."""
+def owner_pid(state_dir: str) -> int | None:
+    """The pid the daemon of `state_dir` wrote in its lock file, while a
+    process of that pid is there (None: no daemon of it runs, as far as a
+    pid says; a pid reused since counts as running, the safe side)."""
     try:
         pid = int(Path(state_dir, "dsecd.lock").read_text())
     except (OSError, ValueError):
-        return f"state dir {state_dir}"
-    return f"state dir {state_dir} (pid {pid})" if os.path.exists(f"/proc/{pid}") else f"state dir {state_dir}"
+        return None
+    return pid if os.path.exists(f"/proc/{pid}") else None
+
+
+def owner_said(state_dir: str) -> str:
+    """The daemon of another state dir, as a message names it: with the pid
+    its lock file holds while that process is there."""
+    pid = owner_pid(state_dir)
+    return f"state dir {state_dir}" if pid is None else f"state dir {state_dir} (pid {pid})"
 
 
 def swap_areas(proc_swaps: str = "/proc/swaps") -> dict[str, dict[str, int]]:

@@ -194,6 +194,36 @@ def test_the_swap_file_of_another_daemon_is_refused_and_never_touched(tmp_path, 
     assert sf.read_owner(path) == str(other_state)
 
 
+def test_a_file_left_off_by_a_daemon_that_no_longer_runs_is_made_afresh(tmp_path, mountinfo, monkeypatch):
+    """state_dir moved, memory.swapfile.path kept: the file names the old
+    state dir, whose daemon is gone, and it is off, so nothing is in it.
+    Refused, it would stay there for good; it is made afresh instead. On,
+    or with its daemon running, it stays refused."""
+    other_state = tmp_path / "old-state"
+    other_state.mkdir()
+    (other_state / "dsecd.lock").write_text("999999999\n")            # no such process
+    path = tmp_path / "swapfile"
+    path.write_bytes(swap_header(1 << 20, label=sf.LABEL, owner=str(other_state)))
+    on: set[str] = {str(path)}
+    monkeypatch.setattr(sf, "active_swaps", lambda: on)
+    made = []
+    monkeypatch.setattr(sf.Swapfile, "_create", lambda self, fstype: made.append(self.path))
+    monkeypatch.setattr(sf.Swapfile, "swapon", lambda self: None)
+    s = sf.Swapfile(sf.SwapfileConfig(enabled=True, path=str(path)), mountinfo=mountinfo,
+                    owner=str(tmp_path / "new-state"))
+    with pytest.raises(sf.SwapfileError) as exc:                       # still on: pages may be in it
+        s.setup()
+    assert exc.value.errno == errno.EBUSY and made == []
+    on.clear()
+    (other_state / "dsecd.lock").write_text(f"{os.getpid()}\n")       # its daemon runs
+    with pytest.raises(sf.SwapfileError):
+        s.setup()
+    assert made == [] and path.exists()
+    (other_state / "dsecd.lock").unlink()                              # gone, and the file off
+    assert s.setup() == str(path) and s.active
+    assert made == [str(path)] and not path.exists()                   # the old one removed first
+
+
 def test_a_daemon_knows_its_own_file_under_a_state_dir_too_long_for_the_header(tmp_path, mountinfo, monkeypatch):
     """The header holds 1 KiB of the state dir: a longer one is cut short,
     and still names its daemon."""
