@@ -120,8 +120,8 @@ class Member(tarfile.TarInfo):
 
 
 def check_end(tf: tarfile.TarFile) -> None:
-    """Once stream-mode (`r|`) `tf`, opened with tarinfo=Member, gave its
-    last member: raise ReadError unless the archive ended with its
+    """Once `tf`, read in order (`r|`, or `r:` iterated) and opened with
+    tarinfo=Member, gave its last member: raise ReadError unless the archive ended with its
     end-of-archive block. tarfile ends a stream quietly where the input
     runs out at or in an entry's header, or where a block is no header (a
     damaged or spliced stream), so such an archive would pass for a whole

@@ -42,15 +42,22 @@ ZEROS = memoryview(bytes(CHUNK))
 
 def unpack(tar_path: Path, dest: Path, max_entries: int = 10_000_000) -> dict:
     """Unpack the agent's tar `tar_path` into the empty directory `dest`.
-    Returns {"entries", "bytes"}; raises tarsafe.Refused (a bad entry, named)
-    or OSError."""
-    dest = Path(dest)
+    Returns {"entries", "bytes"}; raises tarsafe.Refused (a bad entry, named),
+    ValueError (a tar cut short or damaged: tarfile would end it quietly at
+    the damage, a layer with fewer entries) or OSError."""
+    try:
+        return _unpack(tar_path, Path(dest), max_entries)
+    except tarfile.ReadError as err:
+        raise ValueError(f"the agent's tar of the layer: {err}") from err
+
+
+def _unpack(tar_path: Path, dest: Path, max_entries: int) -> dict:
     dirs: set[str] = {""}
     others: set[str] = set()            # files, symlinks, whiteouts, FIFOs: nothing goes below them
     linkable: set[str] = set()          # files, symlinks, FIFOs: what a hard link may name
     dir_times: list[tuple[str, float]] = []
     entries = nbytes = 0
-    with tarfile.open(tar_path, mode="r:", errorlevel=2) as tf:
+    with tarfile.open(tar_path, mode="r:", errorlevel=2, tarinfo=tarsafe.Member) as tf:
         for m in tf:
             entries += 1
             if entries > max_entries:
@@ -99,6 +106,7 @@ def unpack(tar_path: Path, dest: Path, max_entries: int = 10_000_000) -> dict:
                                       "(a device or sparse file); the guest agent sends only directories, "
                                       "files, symlinks, FIFOs, hard links and whiteouts")
             _attributes(path, m)
+        tarsafe.check_end(tf)
     for rel, mtime in reversed(dir_times):     # children first: making them changed their parent's mtime
         os.utime(dest / rel if rel else dest, (mtime, mtime))
     return {"entries": entries, "bytes": nbytes}

@@ -99,3 +99,26 @@ def test_a_files_zeros_are_holes_in_the_unpacked_tree(tmp_path):
     dest, _ = _unpack(tmp_path, [_entry("./", tarfile.DIRTYPE, mode=0o755), _entry("sparse", tarfile.REGTYPE, data)])
     assert (dest / "sparse").read_bytes() == data
     assert os.stat(dest / "sparse").st_blocks * 512 < 1 << 20
+
+
+@pytest.mark.parametrize("how", ["cut in a header", "cut at a header", "damaged header"])
+def test_a_cut_or_damaged_agent_tar_is_refused_not_taken_for_a_smaller_layer(tmp_path, how):
+    """tarfile ends quietly where the input runs out at or in a header, or
+    where a header is damaged: the layer would lose the entries after it."""
+    path = _tar(tmp_path, [_entry("a", tarfile.REGTYPE, b"x" * 10), _entry("b", tarfile.REGTYPE, b"y")])
+    data = bytearray(open(path, "rb").read())
+    # Entry b's header, by its name field (the format may put others before it).
+    second = next(off for off in range(0, len(data), 512) if data[off:off + 2] == b"b\0")
+    if how == "cut in a header":
+        data = data[:second + 100]
+    elif how == "cut at a header":
+        data = data[:second]
+    else:
+        data[second + 148:second + 156] = b"1234567\0"          # a checksum that does not match
+    with open(path, "wb") as f:
+        f.write(data)
+    dest = tmp_path / "tree"
+    dest.mkdir()
+    with pytest.raises(ValueError) as exc:
+        uppertar.unpack(path, dest)
+    assert "the agent's tar of the layer" in str(exc.value), exc.value
