@@ -274,11 +274,19 @@ async def _reader_pieces(reader, size: int, what: str) -> AsyncIterator[bytes]:
 
 
 async def _as_they_come(chunks, size: int) -> AsyncIterator[bytes | bytearray | memoryview]:
-    """An async iterable's chunks as they come, none empty, one past `size` in pieces of it."""
-    async for got in chunks:
-        got = file_data(got, "upload_tar")
-        for start in range(0, len(got), size):
-            yield got[start:start + size]
+    """An async iterable's chunks as they come, none empty, one past `size` in
+    pieces of it. The iterable is closed (aclose) when this ends, read to its
+    end or not: a put that failed half way leaves no generator of the
+    caller's suspended until garbage collection."""
+    try:
+        async for got in chunks:
+            got = file_data(got, "upload_tar")
+            for start in range(0, len(got), size):
+                yield got[start:start + size]
+    finally:
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
 
 
 async def _regrouped(chunks, size: int, what: str) -> AsyncIterator[bytes]:

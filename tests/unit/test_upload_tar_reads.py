@@ -144,3 +144,32 @@ def test_upload_tar_takes_an_async_iterable():
         asyncio.run(sb.upload_tar(object(), "/work/x"))
     with pytest.raises(AttributeError):             # past the check: the (missing) client's turn
         asyncio.run(sb.upload_tar(_pieces(10), "/work/x"))
+
+
+def test_an_async_iterable_left_half_read_is_closed():
+    """A put that ends before the caller's async generator does (the daemon
+    refused the tar, the copy was cancelled) closes it: its finally runs
+    now, not at garbage collection."""
+    closed = []
+
+    class Refusing(_Recorder):
+        async def request(self, op: str, **args) -> dict:
+            raise ConnectionResetError("the put was refused")
+
+    async def tar():
+        try:
+            for _ in range(10):
+                yield b"x" * 100
+        finally:
+            closed.append(True)
+
+    async def run():
+        sent = asyncio.Event()
+        sent.set()
+        sb = Sandbox(Refusing(), "abc123def456", {})
+        chunks = tar()
+        with pytest.raises(ConnectionResetError):
+            await sb._feed_tar(1, sent, chunks, 4096)
+        return closed[:]
+
+    assert asyncio.run(run()) == [True]
