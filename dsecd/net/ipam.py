@@ -122,7 +122,10 @@ class Ipam:
         holder = self._owner_of.get(a)
         if holder is not None and holder != owner:
             raise ValueError(f"recorded address {ipv4} of {owner} is leased to {holder} too")
-        self.release(owner)
+        if self._leases.get(owner) != a:
+            # (The same address kept: giving its claim up before claiming it
+            # again would let another daemon on the bridge take it in between.)
+            self.release(owner)
         self._cursor = max(self._cursor, (a - int(self.pool.network_address) + 1) % self.pool.num_addresses)
         if self.claims is not None and (pid := self.claims.claim(a)) is not None:
             # Taken by another daemon on the bridge while this one was down:

@@ -127,3 +127,24 @@ def test_an_address_another_daemon_on_the_bridge_holds_is_never_handed_out(tmp_p
     ipam.release("old")
     ipam.release("a")
     assert str(ipam.allocate("f").ipv4.ip) == "10.88.0.2"
+
+
+def test_restoring_a_lease_it_holds_never_lets_its_claim_go():
+    """A lease restored again (the same owner and address) keeps its
+    host-wide claim throughout: given up and claimed again, another daemon
+    on the bridge could take the address in between."""
+    calls = []
+
+    class Claims:
+        def claim(self, a):
+            calls.append(("claim", a))
+
+        def give_up(self, a):
+            calls.append(("give_up", a))
+
+    ipam = Ipam("10.88.0.0/29", claims=Claims())
+    ipam.restore("sb", "10.88.0.2/29")
+    ipam.restore("sb", "10.88.0.2/29")
+    assert [c for c, _ in calls] == ["claim", "claim"]
+    ipam.restore("sb", "10.88.0.3/29")                # another address: the old one's claim goes
+    assert [c for c, _ in calls][2:] == ["give_up", "claim"]
