@@ -54,8 +54,10 @@ def host_line(top: dict) -> str:
             f"cpu pressure {pct(psi)}")
 
 
-# SWAP came last, after the others: scripts read the snapshot's columns by position.
-HEADER = ["ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "MEM LIMIT", "BALLOON", "SWAP"]
+# Scripts read the snapshot's columns by position: SWAP came after the
+# eight they had, and BALLOON stays last (its cell may hold a space:
+# "256.0M/256.0M (off)", read as the rest of the line).
+HEADER = ["ID", "QOS", "STATE", "CPU", "CPU%", "THROTTLED", "MEM", "MEM LIMIT", "SWAP", "BALLOON"]
 
 
 def balloon_cell(b: dict | None) -> str:
@@ -77,7 +79,7 @@ def ordered(top: dict, sort: str = "cpu", reverse: bool = False) -> list[dict]:
 def rows(top: dict, sort: str = "cpu", reverse: bool = False) -> list[list[str]]:
     return [[s["id"], s["qos"] or "-", s["state"], f"{s['cpu']:g}", pct(s["cpu_pct"]), pct(s["throttled_pct"]),
              "-" if s["memory"] is None else human_bytes(s["memory"]), human_bytes(s["memory_limit"]),
-             balloon_cell(s.get("vm_balloon")), "-" if s.get("swap") is None else human_bytes(s["swap"])]
+             "-" if s.get("swap") is None else human_bytes(s["swap"]), balloon_cell(s.get("vm_balloon"))]
             for s in ordered(top, sort, reverse)]
 
 

@@ -101,12 +101,13 @@ def _top_cell(c, sb_id: str) -> dict | None:
 
 
 def _top_line(c, sb_id: str) -> str:
-    """`dsec top` piped: the BALLOON column (the last) of the VM's row."""
+    """`dsec top` piped: the BALLOON column (the last, after nine others;
+    its cell may hold a space) of the VM's row."""
     r = c.daemon.cli("top")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.decode().splitlines()
-    assert lines[1].split()[-1] == "BALLOON", lines[1]
-    return next(line for line in lines if line.startswith(sb_id)).split(None, 8)[-1]
+    assert lines[1].split()[-1] == "BALLOON" and len(lines[1].split()) == 11, lines[1]   # MEM LIMIT: two words
+    return next(line for line in lines if line.startswith(sb_id)).split(None, 9)[-1]
 
 
 # Memory the guest touches and frees in pieces smaller than the 2 MiB blocks
