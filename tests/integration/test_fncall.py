@@ -530,7 +530,10 @@ def test_a_call_cannot_see_another_calls_processes(daemon, py_image, path):
     with what the call left), so neither misses the other's."""
     tag = secrets.token_hex(4)
     ready, done = f"/dev/shm/ready-{tag}", f"/dev/shm/done-{tag}"
-    holder = ["sh", "-c", f"echo $$ > {ready}; until [ -e {done} ]; do sleep 0.05; done", f"secret-{tag}"]
+    # Written under another name, then renamed: `> {ready}` makes the file
+    # before the pid is in it, and the looker would read an empty pid.
+    holder = ["sh", "-c", f"echo $$ > {ready}.w && mv {ready}.w {ready}; until [ -e {done} ]; do sleep 0.05; done",
+              f"secret-{tag}"]
     looker = ["sh", "-c",
               f"until [ -e {ready} ]; do sleep 0.05; done; pid=$(cat {ready}); id -u; "
               "for p in /proc/[0-9]*; do stat -c %u $p; done 2>/dev/null | sort -u | tr '\\n' ' '; echo; "
