@@ -178,9 +178,13 @@ class ImageStore:
                 raise ImageError("not_found", f"no image named {name!r} "
                                  f"({self._missing_hint(name, parsed, pull_hint)})") from None
             parsed, ref = fallback
+        return self._image_of(str(parsed), ref)
+
+    def _image_of(self, name: str, ref: dict) -> Image:
+        """The image of `name` whose ref is `ref` (what its file holds)."""
         manifest = self._manifest(ref["manifest"])
         size = sum(layer["size"] for layer in manifest["layers"])
-        return Image(name=str(parsed), manifest=ref["manifest"], layers=manifest["layers"],
+        return Image(name=name, manifest=ref["manifest"], layers=manifest["layers"],
                      config=manifest["config"], created=ref["created"], size=size,
                      parent=ref.get("parent"), source=ref.get("source"))
 
@@ -311,11 +315,13 @@ class ImageStore:
         return images, unreadable
 
     def _publish(self, name: str, manifest_digest: str, parent: str | None,
-                 source: dict | None = None, replace: bool = False) -> str | None:
+                 source: dict | None = None, replace: bool = False) -> tuple[Image, str | None]:
         """Point `name` at a manifest. Without `replace` an existing name is
         `conflict`; with it (a pull moving a tag, a Dockerfile build) the name
-        moves atomically (rename), and the manifest it named before is
-        returned (None: it was new)."""
+        moves atomically (rename). Returns the image published, made from the
+        ref written (not read back by name: on a shared store another host
+        may have renamed its own over it, or be renaming it, by then), and
+        the manifest the name had before (None: it was new)."""
         path = self._ref(name)
         tmp = self.store.temp_path(".ref")
         ref = {"manifest": manifest_digest, "created": time.time(), "parent": parent}
@@ -341,7 +347,6 @@ class ImageStore:
                     if attempt == 4:
                         raise
             self._changed(name)
-            return before
         except FileExistsError:
             raise ImageError("conflict", f"image {name!r} exists; remove it first (`dsec image rm {name}`)") from None
         except OSError as err:
@@ -350,6 +355,7 @@ class ImageStore:
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
+        return self._image_of(str(self.parse_name(name)), ref), before
 
     def tag(self, source: str, name: str) -> Image:
         """Name the image `source` names `name` too: the same manifest, nothing
@@ -365,8 +371,7 @@ class ImageStore:
                 if not self.store.exists(digest):      # collected before the pin: rm and gc meanwhile
                     raise ImageError("not_found", f"image {source!r} was removed meanwhile ({digest} is gone "
                                      "from the store)")
-            before = self._publish(name, image.manifest, image.parent, image.source, replace=True)
-        tagged = self.get(name)
+            tagged, before = self._publish(name, image.manifest, image.parent, image.source, replace=True)
         tagged.extra["replaced"] = before if before != image.manifest else None
         return tagged
 
@@ -489,8 +494,7 @@ class ImageStore:
                 hold: Callable[[str], None], source: dict | None = None, replace: bool = False) -> Image:
         manifest = {"schema": 1, "layers": layers, "config": imageconfig.normalise(config)}
         digest = self.store.put_bytes(_canonical(manifest), hold)
-        self._publish(name, digest, parent, source, replace)
-        return self.get(name)
+        return self._publish(name, digest, parent, source, replace)[0]
 
     def commit_pulled(self, name: str, layers: list[dict], config: dict, source: dict,
                       hold: Callable[[str], None]) -> Image:
@@ -662,8 +666,7 @@ class ImageStore:
     def publish(self, name: str, manifest: str, parent: str | None, replace: bool = False) -> tuple[Image, str | None]:
         """Name an image already in the store: (the image, the manifest the name
         had before when `replace` moved it)."""
-        before = self._publish(name, manifest, parent, replace=replace)
-        return self.get(name), before
+        return self._publish(name, manifest, parent, replace=replace)
 
     def cache_lookup(self, key: str, hold: Callable[[str], None]) -> Image | None:
         """The image a build step with this key made before, its blobs pinned;

@@ -202,3 +202,27 @@ def test_a_ref_another_host_renamed_over_is_read_anew(tmp_path, monkeypatch):
     assert here.get("seen").manifest == second.manifest
     assert here.get("unseen").name == "unseen"
     assert stale == ["seen", "unseen"]
+
+
+@pytest.mark.parametrize("how", ["build", "tag"])
+def test_a_publish_answers_the_image_it_published_whatever_the_name_says_next(tmp_path, monkeypatch, how):
+    """On a shared store another host may rename its own image over a name
+    (or be renaming it: the name missing a moment on a FUSE mount) right
+    after this daemon published: the answer is the image this one
+    published, never a read of the name back (which found another image,
+    or none: not_found)."""
+    store = tmp_path / "store"
+    here = ImageStore(store, tmp_path / "s1")
+    source = here.build_from_dir(_src(tmp_path, "src", "zero"), "src")
+    real_changed = here._changed
+
+    def other_host_renames(name):
+        real_changed(name)
+        if name == "img":
+            (store / "refs" / "img").unlink()            # mid-rename on another host: no name for a moment
+
+    monkeypatch.setattr(here, "_changed", other_host_renames)
+    image = here.build_from_dir(_src(tmp_path, "a", "one"), "img") if how == "build" else here.tag("src", "img")
+    assert image.name == "img" and image.manifest is not None
+    if how == "tag":
+        assert image.manifest == source.manifest
