@@ -92,15 +92,24 @@ def swap_header(size_bytes: int, page_size: int = native.PAGE_SIZE, label: bytes
     return bytes(page)
 
 
-def read_label(path: str | Path, page_size: int = native.PAGE_SIZE) -> bytes | None:
-    """The label (volume_name) of the v1 swap header at `path`, or None if
-    there is no swap header (or no file)."""
+def _header_page(path: str | Path, page_size: int) -> bytes | None:
+    """The first page of the swap area at `path` if it is a swap header,
+    else None (no file, or none there)."""
     try:
         with open(path, "rb") as f:
             page = f.read(page_size)
     except FileNotFoundError:
         return None
     if len(page) < page_size or not page.endswith(SWAP_MAGIC):
+        return None
+    return page
+
+
+def read_label(path: str | Path, page_size: int = native.PAGE_SIZE) -> bytes | None:
+    """The label (volume_name) of the v1 swap header at `path`, or None if
+    there is no swap header (or no file)."""
+    page = _header_page(path, page_size)
+    if page is None:
         return None
     # version, last_page, nr_badpages (3 x u32), uuid[16], then volume_name[16].
     return page[1024 + 28:1024 + 44].rstrip(b"\0")
@@ -110,12 +119,8 @@ def read_owner(path: str | Path, page_size: int = native.PAGE_SIZE) -> str | Non
     """The state dir of the daemon that made the swap area at `path` (see
     swap_header); "" for an area without one (made before dsecd wrote it, or
     not by dsecd), None without a swap header (or file)."""
-    try:
-        with open(path, "rb") as f:
-            page = f.read(page_size)
-    except FileNotFoundError:
-        return None
-    if len(page) < page_size or not page.endswith(SWAP_MAGIC):
+    page = _header_page(path, page_size)
+    if page is None:
         return None
     boot = page[:1024].split(b"\0", 1)[0]
     return os.fsdecode(boot[len(OWNER_PREFIX):]) if boot.startswith(OWNER_PREFIX) else ""
