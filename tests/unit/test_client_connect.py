@@ -435,6 +435,31 @@ def _limited_hello(slots: int) -> dict:
     return {"limits": {"max_requests_per_client": slots + client.CONTROL_SLOTS}}
 
 
+def _stand_in(path: str, servers: list, got: list, hello: dict, goes_after: int | None = None,
+              answer=None):
+    """A stand-in daemon's connection handler: it answers the hello with
+    `hello`, puts each request's frame in `got`, answers it with
+    `answer(frame)` if given, and after `goes_after` requests goes away as a
+    restarting daemon does: its listener (servers[0]) closed and its socket
+    removed first, then the connection aborted."""
+    async def handle(reader, writer):
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] == "hello":
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": hello}))
+                    continue
+                got.append(f)
+                if goes_after is not None and len(got) == goes_after:
+                    servers[0].close()
+                    os.unlink(path)
+                    writer.transport.abort()
+                    return
+                if answer is not None:
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": answer(f)}))
+    return handle
+
+
 def test_requests_queued_when_the_daemon_restarts_go_out_on_the_new_connection(tmp_path):
     """Requests waiting in the client for a slot never reached the daemon:
     when it restarts, they wait for it to answer again and are sent on the
@@ -442,36 +467,12 @@ def test_requests_queued_when_the_daemon_restarts_go_out_on_the_new_connection(t
     from dsecd import ConnectionLost
 
     path = str(tmp_path / "d.sock")
-    first_got: list[str] = []
-    second_got: list[str] = []
-
+    first_got: list[dict] = []
+    second_got: list[dict] = []
     servers = []
-
-    async def first(reader, writer):
-        # The old daemon: two requests in flight, then it goes away, its
-        # socket first (restarting: no socket for a while).
-        dec = protocol.FrameDecoder(1 << 20)
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f["op"] == "hello":
-                    writer.write(protocol.encode_frame({"id": f["id"], "result": _limited_hello(2)}))
-                    continue
-                first_got.append(f["args"]["n"])
-                if len(first_got) == 2:
-                    servers[0].close()
-                    os.unlink(path)
-                    writer.transport.abort()
-                    return
-
-    async def second(reader, writer):
-        dec = protocol.FrameDecoder(1 << 20)
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f["op"] == "hello":
-                    writer.write(protocol.encode_frame({"id": f["id"], "result": _limited_hello(2)}))
-                    continue
-                second_got.append(f["args"]["n"])
-                writer.write(protocol.encode_frame({"id": f["id"], "result": {"n": f["args"]["n"]}}))
+    # The old daemon: two requests in flight, then it goes; the new one answers.
+    first = _stand_in(path, servers, first_got, _limited_hello(2), goes_after=2)
+    second = _stand_in(path, servers, second_got, _limited_hello(2), answer=lambda f: {"n": f["args"]["n"]})
 
     async def go():
         servers.append(await asyncio.start_unix_server(first, path))
@@ -493,7 +494,8 @@ def test_requests_queued_when_the_daemon_restarts_go_out_on_the_new_connection(t
 
     results = asyncio.run(go())
     lost = [r for r in results if isinstance(r, ConnectionLost)]
-    assert sorted(first_got) == [0, 1] and sorted(second_got) == [2, 3, 4, 5]
+    assert sorted(f["args"]["n"] for f in first_got) == [0, 1]
+    assert sorted(f["args"]["n"] for f in second_got) == [2, 3, 4, 5]
     assert results[2:] == [2, 3, 4, 5]
     assert len(lost) == 2 and all(e.sent for e in lost)
     assert all("may have been carried out" in str(e) for e in lost)
@@ -505,23 +507,9 @@ def test_a_queued_request_fails_unsent_when_the_daemon_does_not_come_back(tmp_pa
     from dsecd import ConnectionLost
 
     path = str(tmp_path / "d.sock")
-    got: list[int] = []
-
-    async def daemon(reader, writer):
-        dec = protocol.FrameDecoder(1 << 20)
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f["op"] == "hello":
-                    writer.write(protocol.encode_frame({"id": f["id"], "result": _limited_hello(2)}))
-                    continue
-                got.append(f["args"]["n"])
-                if len(got) == 2:
-                    servers[0].close()
-                    os.unlink(path)
-                    writer.transport.abort()
-                    return
-
+    got: list[dict] = []
     servers = []
+    daemon = _stand_in(path, servers, got, _limited_hello(2), goes_after=2)
 
     async def go():
         servers.append(await asyncio.start_unix_server(daemon, path))
@@ -530,11 +518,39 @@ def test_a_queued_request_fails_unsent_when_the_daemon_does_not_come_back(tmp_pa
             return await asyncio.gather(*tasks, return_exceptions=True)
 
     results = asyncio.run(go())
-    assert got == [0, 1] and all(isinstance(r, ConnectionLost) for r in results)
+    assert [f["args"]["n"] for f in got] == [0, 1] and all(isinstance(r, ConnectionLost) for r in results)
     assert results[0].sent and results[1].sent and not results[2].sent
     said = str(results[2])
     assert "did not answer again within 0.5 s" in said and "not sent, so it did not run" in said
     assert "No such file or directory" in said
+
+
+def _two_requests_across_a_restart(path: str, send, answer: dict) -> tuple[list, list]:
+    """A stand-in daemon at `path` that takes the two requests `send(client)`
+    makes (tasks), then goes (its socket removed, the connection aborted);
+    0.3 s later a new one answers every request with `answer`. Returns the
+    two requests' outcomes and, per frame the daemons got, (1 or 2: the old
+    or the new daemon, the frame)."""
+    old_got: list[dict] = []
+    new_got: list[dict] = []
+    servers = []
+    old = _stand_in(path, servers, old_got, {"limits": {}}, goes_after=2)
+    new = _stand_in(path, servers, new_got, {"limits": {}}, answer=lambda f: answer)
+
+    async def go():
+        servers.append(await asyncio.start_unix_server(old, path))
+        async with Client(path, connect_timeout=20) as c:
+            tasks = send(c)
+            while len(old_got) < 2:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            servers.append(await asyncio.start_unix_server(new, path))
+            try:
+                return await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                servers[1].close()
+
+    return asyncio.run(go()), [(1, f) for f in old_got] + [(2, f) for f in new_got]
 
 
 def test_a_request_that_changes_nothing_is_sent_again_after_a_restart(tmp_path):
@@ -543,43 +559,13 @@ def test_a_request_that_changes_nothing_is_sent_again_after_a_restart(tmp_path):
     something fails, saying it may have been carried out."""
     from dsecd import ConnectionLost
 
-    path = str(tmp_path / "d.sock")
-    got: list[tuple[int, str]] = []
-    servers = []
+    def send(c):
+        return [asyncio.create_task(c.request("proc_wait", sandbox="s", pid=2)),
+                asyncio.create_task(c.request("proc_kill", sandbox="s", pid=2, signal="TERM"))]
 
-    async def daemon(reader, writer):
-        nth = len(servers)          # 1: the old daemon, 2: the new one
-        dec = protocol.FrameDecoder(1 << 20)
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f["op"] == "hello":
-                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
-                    continue
-                got.append((nth, f["op"]))
-                if nth == 1 and len(got) == 2:       # the old daemon had both: it goes
-                    servers[0].close()
-                    os.unlink(path)
-                    writer.transport.abort()
-                    return
-                if nth == 2:
-                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"state": "exited"}}))
-
-    async def go():
-        servers.append(await asyncio.start_unix_server(daemon, path))
-        async with Client(path, connect_timeout=20) as c:
-            waited = asyncio.create_task(c.request("proc_wait", sandbox="s", pid=2))
-            killed = asyncio.create_task(c.request("proc_kill", sandbox="s", pid=2, signal="TERM"))
-            while len(got) < 2:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.3)
-            servers.append(await asyncio.start_unix_server(daemon, path))
-            try:
-                return await asyncio.gather(waited, killed, return_exceptions=True)
-            finally:
-                servers[1].close()
-
-    waited, killed = asyncio.run(go())
-    assert waited == {"state": "exited"} and (2, "proc_wait") in got and (2, "proc_kill") not in got
+    (waited, killed), got = _two_requests_across_a_restart(str(tmp_path / "d.sock"), send, {"state": "exited"})
+    ops = [(nth, f["op"]) for nth, f in got]
+    assert waited == {"state": "exited"} and (2, "proc_wait") in ops and (2, "proc_kill") not in ops
     assert isinstance(killed, ConnectionLost) and killed.sent and "may have been carried out" in str(killed)
 
 
@@ -589,44 +575,13 @@ def test_a_create_with_an_idempotency_key_lost_in_a_restart_is_sent_again(tmp_pa
     saying it may have been carried out."""
     from dsecd import ConnectionLost
 
-    path = str(tmp_path / "d.sock")
-    got: list[tuple[int, dict]] = []
-    servers = []
+    def send(c):
+        return [asyncio.create_task(c.create(image="busybox", key="job-7")),
+                asyncio.create_task(c.create(image="busybox"))]
 
-    async def daemon(reader, writer):
-        nth = len(servers)          # 1: the old daemon, 2: the new one
-        dec = protocol.FrameDecoder(1 << 20)
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f["op"] == "hello":
-                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
-                    continue
-                got.append((nth, f["args"]))
-                if nth == 1 and len(got) == 2:       # the old daemon had both: it goes
-                    servers[0].close()
-                    os.unlink(path)
-                    writer.transport.abort()
-                    return
-                if nth == 2:
-                    writer.write(protocol.encode_frame(
-                        {"id": f["id"], "result": {"id": "5b1d", "state": "running", "existing": True}}))
-
-    async def go():
-        servers.append(await asyncio.start_unix_server(daemon, path))
-        async with Client(path, connect_timeout=20) as c:
-            keyed = asyncio.create_task(c.create(image="busybox", key="job-7"))
-            plain = asyncio.create_task(c.create(image="busybox"))
-            while len(got) < 2:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.3)
-            servers.append(await asyncio.start_unix_server(daemon, path))
-            try:
-                return await asyncio.gather(keyed, plain, return_exceptions=True)
-            finally:
-                servers[1].close()
-
-    keyed, plain = asyncio.run(go())
-    assert keyed.id == "5b1d" and [args.get("key") for nth, args in got if nth == 2] == ["job-7"]
+    (keyed, plain), got = _two_requests_across_a_restart(
+        str(tmp_path / "d.sock"), send, {"id": "5b1d", "state": "running", "existing": True})
+    assert keyed.id == "5b1d" and [f["args"].get("key") for nth, f in got if nth == 2] == ["job-7"]
     assert isinstance(plain, ConnectionLost) and plain.sent and "may have been carried out" in str(plain)
 
 
@@ -638,18 +593,7 @@ def test_a_keyed_create_sent_again_says_it_may_have_run_when_the_daemon_stays_aw
 
     path = str(tmp_path / "d.sock")
     servers = []
-
-    async def daemon(reader, writer):
-        dec = protocol.FrameDecoder(1 << 20)
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f["op"] == "hello":
-                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
-                    continue
-                servers[0].close()
-                os.unlink(path)
-                writer.transport.abort()
-                return
+    daemon = _stand_in(path, servers, [], {"limits": {}}, goes_after=1)
 
     async def go():
         servers.append(await asyncio.start_unix_server(daemon, path))
