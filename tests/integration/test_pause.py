@@ -302,6 +302,22 @@ def _events_of(d, make) -> list[dict]:
     return [e for e in seen if e["sandbox"] == sb_id]
 
 
+def _first_event(d, sb_id: str, kind: str, timeout: float) -> dict:
+    """The first event of `kind` of sandbox `sb_id`, the recent ones replayed
+    first, waited for up to `timeout` s."""
+    import asyncio
+
+    import dsecd
+
+    async def first():
+        async with dsecd.Client(d.socket) as ac:
+            async for ev in ac.events(sandbox=sb_id, replay=True):
+                if ev["event"] == kind:
+                    return ev
+
+    return asyncio.run(asyncio.wait_for(first(), timeout))
+
+
 def test_events_stream(mem):
     d, c = mem
 
@@ -331,22 +347,11 @@ def test_a_job_pause_event_has_no_duration_it_did_not_measure(mem):
 def test_a_job_pause_says_what_its_reclaim_freed_in_an_event_of_its_own(mem):
     """The reclaim behind a job pause's answer ends with a `reclaimed` event:
     the bytes the job's `paused` event could not say yet."""
-    import asyncio
-
-    import dsecd
-
     d, c = mem
     sb = c.create(image="busybox", labels={"job": "run-24"})
     sb.exec(["sh", "-c", "head -c 20000000 /dev/urandom > /tmp/data"])     # 20 MB in tmpfs + cache
     c.job_pause("run-24")
-
-    async def reclaimed():
-        async with dsecd.Client(d.socket) as ac:
-            async for ev in ac.events(sandbox=sb.id, replay=True):
-                if ev["event"] == "reclaimed":
-                    return ev
-
-    ev = asyncio.run(asyncio.wait_for(reclaimed(), 30))
+    ev = _first_event(d, sb.id, "reclaimed", 30)
     assert ev["freed_bytes"] >= 0 and ev["duration_ms"] >= 0, ev
     c.job_resume("run-24")
     sb.destroy()
@@ -377,22 +382,11 @@ def test_paused_sandbox_survives_a_daemon_restart(mem):
 
 
 def test_oom_kill_is_an_event(mem):
-    import asyncio
-
-    import dsecd
-
     d, c = mem
     sb = c.create(image="busybox", memory="32M")
     r = sb.exec(["sh", "-c", "x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo done"], timeout=60)
     assert r.exit_code != 0 or r.signal
-
-    async def first_oom():
-        async with dsecd.Client(d.socket) as ac:
-            async for ev in ac.events(sandbox=sb.id, replay=True):
-                if ev["event"] == "oom":
-                    return ev
-
-    ev = asyncio.run(asyncio.wait_for(first_oom(), 10))
+    ev = _first_event(d, sb.id, "oom", 10)
     assert ev["kills"] >= 1
     sb.destroy()
 
