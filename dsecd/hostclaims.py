@@ -7,6 +7,14 @@ import errno
 import fcntl
 import os
 import struct
+from collections.abc import Iterable
+
+
+def pids_note(pids: Iterable[int]) -> str:
+    """" (pid 12, 34)": the holders named in a message, those of `pids` that
+    are known (0: one let go meanwhile); "" if none is."""
+    known = ", ".join(str(p) for p in sorted(pids) if p)
+    return f" (pid {known})" if known else ""
 
 
 class HostClaims:

@@ -24,11 +24,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 from . import native
 from .feature import Feature
-from .hostclaims import HostClaims
+from .hostclaims import HostClaims, pids_note
 
 ID_MAX = 2**32 - 2          # (u32)-1 is "no id" to the kernel
 OVERFLOW_ID = 65534         # what the kernel shows for an unmapped id (overflowuid)
@@ -100,25 +101,24 @@ class RangeAllocator:
                    for f in self.foreign)
 
     def allocate(self) -> IdMap:
-        elsewhere: dict[int, int] = {}      # pid of another daemon -> slots it holds ids of
+        elsewhere: Counter[int] = Counter()     # pid of another daemon -> slots it holds ids of
         if len(self.used) < self.slots:
             for i in range(self.slots):
                 slot = (self._next + i) % self.slots
                 if slot not in self.used and not (self.foreign and self._overlaps_foreign(slot)):
                     idmap = self._make(slot)
                     if self.claims is not None and (pid := self.claims.claim(idmap.uid, idmap.count)) is not None:
-                        elsewhere[pid] = elsewhere.get(pid, 0) + 1
+                        elsewhere[pid] += 1
                         continue
                     self.used.add(slot)
                     self._next = (slot + 1) % self.slots   # round robin: a freed range rests before reuse
                     return idmap
         held = sum(elsewhere.values())
-        pids = ", ".join(str(p) for p in sorted(elsewhere) if p)
         raise RangesExhausted(f"all {self.slots} user-namespace id ranges of {self.size} ids "
                               f"from {self.base} are in use (sandbox.userns_base/userns_size)"
                               + (f", {len(self.foreign)} of them overlapped by ranges made under an earlier "
                                  "configuration" if self.foreign else "")
-                              + (f", {held} of them held by another daemon" + (f" (pid {pids})" if pids else "")
+                              + (f", {held} of them held by another daemon" + pids_note(elsewhere)
                                  + "; give each daemon of the host a userns_base of its own" if held else ""))
 
     def _claim(self, idmap: IdMap) -> None:
@@ -131,7 +131,7 @@ class RangeAllocator:
         if pid is not None:
             log.error("host ids %d..%d of a re-adopted sandbox are also held by another daemon%s: their "
                       "sandboxes share host ids; destroy one of them", idmap.uid, idmap.uid + idmap.count - 1,
-                      f" (pid {pid})" if pid else "")
+                      pids_note([pid]))
 
     def reserve(self, idmap: IdMap) -> bool:
         """Mark a journaled range used again (daemon restart). True if it is

@@ -31,11 +31,12 @@ import ipaddress
 import json
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import Busy
-from ..hostclaims import HostClaims
+from ..hostclaims import HostClaims, pids_note
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class Ipam:
             # Taken by another daemon on the bridge while this one was down:
             # the sandbox's interface has the address either way.
             log.error("address %s of %s is also held by another daemon on the bridge%s: two sandboxes "
-                      "there have it; destroy one of them", ipv4, owner, f" (pid {pid})" if pid else "")
+                      "there have it; destroy one of them", ipv4, owner, pids_note([pid]))
         return self._set(owner, a)
 
     @staticmethod
@@ -164,20 +165,19 @@ class Ipam:
         if owner in self._leases:
             return self._lease(owner, self._leases[owner])
         base, n = int(self.pool.network_address), self.pool.num_addresses
-        elsewhere: dict[int, int] = {}      # pid of another daemon on the bridge -> addresses it holds
+        elsewhere: Counter[int] = Counter()     # pid of another daemon on the bridge -> addresses it holds
         for i in range(n):
             off = (self._cursor + i) % n
             a = base + off
             if self._usable(a) and a not in self._owner_of:
                 if self.claims is not None and (pid := self.claims.claim(a)) is not None:
-                    elsewhere[pid] = elsewhere.get(pid, 0) + 1
+                    elsewhere[pid] += 1
                     continue
                 self._cursor = (off + 1) % n
                 return self._set(owner, a)
         held = sum(elsewhere.values())
-        pids = ", ".join(str(p) for p in sorted(elsewhere) if p)
         raise Busy(f"no free address in net.ipv4_pool {self.pool} ({len(self._leases)} leased"
-                   + (f", {held} held by another daemon on this bridge" + (f" (pid {pids})" if pids else "")
+                   + (f", {held} held by another daemon on this bridge" + pids_note(elsewhere)
                       + "; give each daemon a net.ipv4_pool or net.bridge of its own" if held else "") + ")",
                    {"pool": str(self.pool), "leased": len(self._leases), "held_elsewhere": held})
 

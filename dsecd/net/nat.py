@@ -48,7 +48,7 @@ import os
 import socket
 import threading
 
-from ..hostclaims import HostClaims
+from ..hostclaims import HostClaims, pids_note
 from . import ctdump
 from .ctdump import NETLINK_NETFILTER
 from .ipam import bridge_block
@@ -424,7 +424,7 @@ class HostNat:
         pid = _claim_table(self.ns_path, self.bridge)
         if pid is not None:
             raise NatError(errno.EBUSY, f"nftables table {FAMILY} {self.table} of bridge {self.bridge} in "
-                           f"{self._where()} is another daemon's" + (f" (pid {pid})" if pid else "")
+                           f"{self._where()} is another daemon's" + pids_note([pid])
                            + ": daemons on one bridge cannot each have egress NAT or published ports; give this "
                            "daemon a net.bridge (and net.ipv4_subnet) of its own")
         try:
