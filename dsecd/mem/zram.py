@@ -105,25 +105,31 @@ def _header_page(path: str | Path, page_size: int) -> bytes | None:
     return page
 
 
-def read_label(path: str | Path, page_size: int = native.PAGE_SIZE) -> bytes | None:
-    """The label (volume_name) of the v1 swap header at `path`, or None if
-    there is no swap header (or no file)."""
+def read_header(path: str | Path, page_size: int = native.PAGE_SIZE) -> tuple[bytes, str] | None:
+    """(read_label's answer, read_owner's answer) of the swap area at `path`
+    from one read of its header; None without a swap header (or file)."""
     page = _header_page(path, page_size)
     if page is None:
         return None
+    boot = page[:1024].split(b"\0", 1)[0]
+    owner = os.fsdecode(boot[len(OWNER_PREFIX):]) if boot.startswith(OWNER_PREFIX) else ""
     # version, last_page, nr_badpages (3 x u32), uuid[16], then volume_name[16].
-    return page[1024 + 28:1024 + 44].rstrip(b"\0")
+    return page[1024 + 28:1024 + 44].rstrip(b"\0"), owner
+
+
+def read_label(path: str | Path, page_size: int = native.PAGE_SIZE) -> bytes | None:
+    """The label (volume_name) of the v1 swap header at `path`, or None if
+    there is no swap header (or no file)."""
+    header = read_header(path, page_size)
+    return None if header is None else header[0]
 
 
 def read_owner(path: str | Path, page_size: int = native.PAGE_SIZE) -> str | None:
     """The state dir of the daemon that made the swap area at `path` (see
     swap_header); "" for an area without one (made before dsecd wrote it, or
     not by dsecd), None without a swap header (or file)."""
-    page = _header_page(path, page_size)
-    if page is None:
-        return None
-    boot = page[:1024].split(b"\0", 1)[0]
-    return os.fsdecode(boot[len(OWNER_PREFIX):]) if boot.startswith(OWNER_PREFIX) else ""
+    header = read_header(path, page_size)
+    return None if header is None else header[1]
 
 
 def _owner_mark(owner: str) -> bytes:
@@ -269,8 +275,9 @@ class ZramSwap:
         dsecd's label and names this daemon (or no daemon: an older dsecd's),
         since the number may have been reused by someone else."""
         self.device = device
-        if not (self.block().exists() and self.is_swap_on() and read_label(self.dev_path()) == LABEL
-                and ((found := read_owner(self.dev_path())) == "" or made_by(found, self.owner))):
+        if not (self.block().exists() and self.is_swap_on()
+                and (header := read_header(self.dev_path())) is not None and header[0] == LABEL
+                and (header[1] == "" or made_by(header[1], self.owner))):
             self.device = None
             return False
         return True
@@ -290,10 +297,10 @@ class ZramSwap:
             if not self.block().exists() or self.is_swap_on():
                 return False
             try:
-                label, owner = read_label(self.dev_path()), read_owner(self.dev_path())
+                header = read_header(self.dev_path())
             except OSError:
                 return False
-            if label is not None and (label != LABEL or not made_by(owner or "", self.owner)):
+            if header is not None and (header[0] != LABEL or not made_by(header[1], self.owner)):
                 return False
             self.teardown()
             return True
