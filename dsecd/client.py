@@ -1040,7 +1040,11 @@ class Client:
             conn = await self._connection(op, deadline, sent=resent)
             came = False
             try:
-                async with contextlib.aclosing(self._frames_on(conn, rid, op, args, sent)) as frames:
+                # aclosing: a caller that stops early (break, cancel) closes the
+                # inner generator at once, so the daemon is told to cancel the
+                # request now.
+                async with (self._slots_held(conn, op, args),
+                            contextlib.aclosing(self._frames_with_id(conn, rid, op, args, sent)) as frames):
                     async for frame in frames:
                         came = True
                         yield frame
@@ -1055,16 +1059,13 @@ class Client:
             if deadline is None:
                 deadline = asyncio.get_running_loop().time() + self.connect_timeout
 
-    async def _frames_on(self, conn: _Conn, rid: int, op: str, args: dict,
-                         sent: asyncio.Event | None) -> AsyncIterator[dict]:
-        """frames_with_id on one connection; _Unsent if it was lost before the request left."""
-        # aclosing: a caller that stops early (break, cancel) closes the inner
-        # generator at once, so the daemon is told to cancel the request now.
+    @contextlib.asynccontextmanager
+    async def _slots_held(self, conn: _Conn, op: str, args: dict) -> AsyncIterator[None]:
+        """The in-flight slots a request holds on `conn` while it runs (none
+        for a control op, or a daemon that sets no limit)."""
         slots = conn.slots
         if slots is None or op in CONTROL_OPS:
-            async with contextlib.aclosing(self._frames_with_id(conn, rid, op, args, sent)) as frames:
-                async for frame in frames:
-                    yield frame
+            yield
             return
         # Queued here past the daemon's in-flight limit; an exec with stdin
         # also holds the slot of its exec_input requests, a pty exec that of
@@ -1078,9 +1079,7 @@ class Client:
         try:
             await slots.acquire(units)
             try:
-                async with contextlib.aclosing(self._frames_with_id(conn, rid, op, args, sent)) as frames:
-                    async for frame in frames:
-                        yield frame
+                yield
             finally:
                 slots.release(units)
         finally:
