@@ -517,17 +517,20 @@ class _Pending:
         self.skipped = 0         # bytes dropped since the last frame queued
         self.dropping = False
 
-    def _cost(self, frame: dict) -> int | None:
-        """What a frame counts against the limit; None: not counted (no limit, not a stream frame)."""
-        stream = frame.get("stream")
-        if self.limit is None or not isinstance(stream, dict):
+    @staticmethod
+    def _cost(stream) -> int | None:
+        """What a frame's `stream` counts against the limit; None: not counted (not a stream frame)."""
+        if not isinstance(stream, dict):
             return None
         return len(stream.get("data") or b"") + PENDING_FRAME_COST
 
     def put(self, frame: dict) -> None:
         """A frame from the daemon (the connection's reader)."""
-        cost = self._cost(frame)
+        if self.limit is None:              # nothing counted: most requests
+            self.queue.put_nowait(frame)
+            return
         stream = frame.get("stream")
+        cost = self._cost(stream)
         if cost is not None:
             # Output, or the daemon's own count of output its ring lost (a
             # first frame's lost_before is kept whole).
@@ -550,8 +553,7 @@ class _Pending:
 
     async def get(self) -> dict:
         frame = await self.queue.get()
-        cost = self._cost(frame)
-        if cost is not None:
+        if self.limit is not None and (cost := self._cost(frame.get("stream"))) is not None:
             self.held -= cost
         return frame
 
