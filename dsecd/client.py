@@ -405,6 +405,12 @@ def lost_after_sending(op: str) -> str:
     return "; the request may have been carried out"
 
 
+def _sent_or_not(op: str, sent: bool) -> str:
+    """What a lost connection leaves open of `op`, for its error: whether
+    it may have run (`sent`), or that it did not."""
+    return lost_after_sending(op) if sent else "; the request was not sent, so it did not run"
+
+
 @dataclass
 class ExecResult:
     exit_code: int | None
@@ -903,11 +909,7 @@ class Client:
         error (a connection-level `limit`, say) as it is, else ConnectionLost."""
         if isinstance(cause, DsecError):
             return cause
-        text = f"{op} on {self.target}: connection lost: {cause}"
-        if sent:
-            text += lost_after_sending(op)
-        else:
-            text += "; the request was not sent, so it did not run"
+        text = f"{op} on {self.target}: connection lost: {cause}" + _sent_or_not(op, sent)
         if self._closed:
             pass
         elif self.lost_advice:
@@ -980,7 +982,7 @@ class Client:
             raise ConnectionLost(
                 f"{op} on {self.target}: connection lost: {conn.lost}; the daemon did not answer again within "
                 f"{self.connect_timeout:g} s (the Client's connect_timeout){why}"
-                + (lost_after_sending(op) if sent else "; the request was not sent, so it did not run"),
+                + _sent_or_not(op, sent),
                 target=self.target, op=op, sent=sent) from None
         conn = self._conn
         if self._closed or conn is None or conn.lost is not None:
