@@ -1428,13 +1428,7 @@ async def _remote_dir(sb, path: str, follow: bool = False) -> bool:
     return kind == "dir" or (follow and kind == "symlink" and await _lists_as_dir(sb, path))
 
 
-async def _tar_source(c: Client, sb_id: str, src: str) -> bool:
-    """Whether `dsec cp SB:SRC -` writes a tar, as docker cp - does: SRC is
-    a directory (or a symlink to one); a file's bytes go out as they are."""
-    return await _remote_dir(await c.get(sb_id), src, follow=True)
-
-
-async def _cp_tar_out(c: Client, a, sb_id: str, src: str) -> int:
+async def _cp_tar_out(a, sb, sb_id: str, src: str) -> int:
     """`dsec cp SB:/dir -`: the tree as a tar on stdout, its entries below
     the directory's base name (SB:/dir/.: the contents, without it), as
     docker cp gives it; written as it comes (dsecd/cptar.py)."""
@@ -1444,14 +1438,13 @@ async def _cp_tar_out(c: Client, a, sb_id: str, src: str) -> int:
     if os.isatty(1):        # as tar(1) refuses: the bytes would garble the terminal
         raise UsageError(f"dsec cp: {sb_id}:{src} is a directory, and stdout is a terminal: not writing a tar "
                          "there; redirect it (> dir.tar) or pipe it (| tar -x)")
-    sb = await c.get(sb_id)
     top = "" if _contents_of(src) else posixpath.basename(posixpath.normpath(src))
     r = await cptar.tar_to_fd(sb, src if src.endswith("/") else src + "/", top)     # a symlink: what it leads to
     _report_skipped(src, r)
     return 0
 
 
-async def _cp_file_tar_out(c: Client, a, sb_id: str, src: str) -> int:
+async def _cp_file_tar_out(a, sb, sb_id: str, src: str) -> int:
     """`dsec cp --tar SB:/file -`: a tar of the one file (a symlink: what it
     leads to, as a plain copy follows one), named by its base name, with its
     permission bits and mtime, as docker cp gives it. The file is spooled
@@ -1460,7 +1453,6 @@ async def _cp_file_tar_out(c: Client, a, sb_id: str, src: str) -> int:
     if a.json or os.isatty(1):
         raise UsageError(f"dsec cp: --tar: stdout carries the tar of {sb_id}:{src}: not with --json, nor onto "
                          "a terminal; redirect it (> file.tar) or pipe it (| tar -x)")
-    sb = await c.get(sb_id)
     st = await sb.stat(src)
     if st["type"] == "symlink":
         with contextlib.suppress(BadRequest):       # a microVM's stat does not follow: a new file's mode
@@ -1594,10 +1586,14 @@ async def _cp(c: Client, a) -> int:
                          "a copy out of one belongs to whoever runs dsec")
     if getattr(a, "tar", False) and (dst if src_sb is not None else src) != "-":
         raise UsageError("dsec cp: --tar goes with '-': dsec cp --tar SB:/path - or dsec cp --tar - SB:/dir")
-    if src_sb is not None and dst == "-" and await _tar_source(c, src_sb, src):
-        return await _cp_tar_out(c, a, src_sb, src)
-    if src_sb is not None and dst == "-" and getattr(a, "tar", False):
-        return await _cp_file_tar_out(c, a, src_sb, src)
+    if src_sb is not None and dst == "-":
+        sb = await c.get(src_sb)
+        # As docker cp - gives it: a directory (or a symlink to one) as a tar;
+        # a file's bytes as they are, or with --tar a tar of the one file.
+        if await _remote_dir(sb, src, follow=True):
+            return await _cp_tar_out(a, sb, src_sb, src)
+        if getattr(a, "tar", False):
+            return await _cp_file_tar_out(a, sb, src_sb, src)
     if src_sb is not None and dst != "-" and _keeps_links(a) and await _cp_link_out(c, a, src_sb, src, dst):
         return 0
     if src_sb is None and _keeps_links(a) and await _cp_link_in(c, a, src, dst_sb, dst):
