@@ -191,6 +191,13 @@ async def in_a_thread_of_its_own(fn, *args):
     return await fut
 
 
+def _write_all(fd: int, data) -> None:
+    """Every byte of `data` to `fd` (a pipe, or a file short of room, takes a part at a time)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 class _Stopped(Exception):
     """The copy ended before the spool did: its reader stops."""
 
@@ -207,9 +214,7 @@ class _Spool:
         self.cond = threading.Condition()
 
     def append(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view):]
+        _write_all(self.fd, data)
         with self.cond:
             self.size += len(data)
             self.cond.notify()
@@ -239,9 +244,7 @@ class _FdWriter:
         self.fd = fd
 
     def write(self, data) -> int:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view):]
+        _write_all(self.fd, data)
         return len(data)
 
 
