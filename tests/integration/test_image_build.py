@@ -699,8 +699,8 @@ def _child_named(parent: int, name: str, timeout: float = 120) -> int:
                 try:
                     if Path(f"/proc/{pid}/comm").read_text().strip() == name:
                         return int(pid)
-                except FileNotFoundError:
-                    pass
+                except (FileNotFoundError, ProcessLookupError):
+                    pass        # a child that exited between the listing and the read (ESRCH at the read)
         time.sleep(0.001)
     raise TimeoutError(f"no {name} under process {parent} in {timeout} s")
 
