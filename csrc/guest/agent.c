@@ -2821,11 +2821,12 @@ struct tarw {
     uint64_t max_entries, copied; /* a copy's limit and its entries (headers, pax ones too, are `entries`) */
     char **skip;        /* paths of the writable layer left out, with all below them (a snapshot's excludes) */
     size_t nskip;
-    struct tar_link *links; /* the writable layer's inodes of several links: their first name sent */
+    struct tar_link *links; /* inodes of several links: the first name each was sent under */
     size_t nlinks, links_cap; /* an open-addressed table, a power of two, at most half full */
 };
 
 struct tar_link {
+    dev_t dev;
     ino_t ino;
     char *name; /* NULL: a free slot */
 };
@@ -2989,27 +2990,27 @@ static void tar_xattrs(int fd, struct buf *pax)
 
 static int tar_tree(struct tarw *t, int dfd, const char *prefix);
 
-static size_t link_slot(const struct tar_link *links, size_t cap, ino_t ino)
+static size_t link_slot(const struct tar_link *links, size_t cap, dev_t dev, ino_t ino)
 {
-    size_t i = (size_t)(ino * 0x9e3779b97f4a7c15ull) & (cap - 1);
+    size_t i = (size_t)((ino ^ (uint64_t)dev << 32) * 0x9e3779b97f4a7c15ull) & (cap - 1);
 
-    while (links[i].name && links[i].ino != ino)
+    while (links[i].name && (links[i].ino != ino || links[i].dev != dev))
         i = (i + 1) & (cap - 1);
     return i;
 }
 
-/* The name the layer's tar gave inode `ino` first, or NULL. (One file
- * system: the upper dir is one tmpfs, so the inode number alone is the
- * file.) */
-static const char *link_first(const struct tarw *t, ino_t ino)
+/* The name the tar gave inode (`dev`, `ino`) first, or NULL. (A directory
+ * copy's tree may span several file systems: the inode number alone is
+ * not the file.) */
+static const char *link_first(const struct tarw *t, dev_t dev, ino_t ino)
 {
-    return t->links_cap ? t->links[link_slot(t->links, t->links_cap, ino)].name : NULL;
+    return t->links_cap ? t->links[link_slot(t->links, t->links_cap, dev, ino)].name : NULL;
 }
 
-/* Remember `rel` as the name inode `ino` was sent under. Out of memory, it
- * is not remembered: the inode's other names then go as copies of it, the
- * layer's files whole but not linked. */
-static void link_remember(struct tarw *t, ino_t ino, const char *rel)
+/* Remember `rel` as the name inode (`dev`, `ino`) was sent under. Out of
+ * memory, it is not remembered: the inode's other names then go as copies
+ * of it, the files whole but not linked. */
+static void link_remember(struct tarw *t, dev_t dev, ino_t ino, const char *rel)
 {
     if (2 * (t->nlinks + 1) > t->links_cap) {
         size_t cap = t->links_cap ? 2 * t->links_cap : 256;
@@ -3019,16 +3020,17 @@ static void link_remember(struct tarw *t, ino_t ino, const char *rel)
             return;
         for (size_t i = 0; i < t->links_cap; i++)
             if (t->links[i].name)
-                links[link_slot(links, cap, t->links[i].ino)] = t->links[i];
+                links[link_slot(links, cap, t->links[i].dev, t->links[i].ino)] = t->links[i];
         free(t->links);
         t->links = links;
         t->links_cap = cap;
     }
-    size_t i = link_slot(t->links, t->links_cap, ino);
+    size_t i = link_slot(t->links, t->links_cap, dev, ino);
     char *name = strdup(rel);
 
     if (!name)
         return;
+    t->links[i].dev = dev;
     t->links[i].ino = ino;
     t->links[i].name = name;
     t->nlinks++;
@@ -3063,7 +3065,7 @@ static int tar_entry(struct tarw *t, int dfd, const char *name, const char *rel)
         return 0; /* gone meanwhile (nothing runs, but the kernel may) */
     linked = st.st_nlink > 1 && (S_ISREG(st.st_mode) || S_ISFIFO(st.st_mode) || S_ISLNK(st.st_mode));
     if (linked) {
-        const char *first = link_first(t, st.st_ino);
+        const char *first = link_first(t, st.st_dev, st.st_ino);
 
         if (first) {
             tar_header(t, rel, '1', &st, 0, first, NULL);
@@ -3129,7 +3131,7 @@ static int tar_entry(struct tarw *t, int dfd, const char *name, const char *rel)
         t->skipped++; /* sockets, devices */
     }
     if (linked && sent)
-        link_remember(t, st.st_ino, rel);
+        link_remember(t, st.st_dev, st.st_ino, rel);
     free(pax.p);
     if (fd >= 0)
         close(fd);
@@ -3410,6 +3412,21 @@ static int copy_entry(struct tarw *t, int dfd, const char *name, const char *rel
         }
         tar_header(t, rel, '5', &cs, 0, NULL, NULL);
         return tar_tree(t, fd, rel); /* closes fd */
+    }
+    if (st.st_nlink > 1) {
+        /* A file of several names comes once; its other names are hard
+         * links to the first, as tar(1) and docker cp give them (and as the
+         * container backend's copy does, dsecd/fs/tarcopy.py). */
+        const char *first = link_first(t, st.st_dev, st.st_ino);
+
+        if (first) {
+            close(fd);
+            if (copy_count(t, rel, 0) < 0)
+                return -1;
+            tar_header(t, rel, '1', &cs, 0, first, NULL);
+            return 0;
+        }
+        link_remember(t, st.st_dev, st.st_ino, rel);
     }
     {
         static unsigned char chunk[1 << 16];

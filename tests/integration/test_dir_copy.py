@@ -387,14 +387,6 @@ def box(request, client):
         yield sb
 
 
-@pytest.fixture
-def container(client):
-    sb = client.create(image="busybox", memory="512M")
-    sb.exec(["sh", "-c", "mkdir -p /work/in && echo kept > /work/in/keep && echo old > /work/in/empty"])
-    yield sb
-    sb.destroy(force=True)
-
-
 def tar_of_dir(top, gzip: bool = False) -> bytes:
     """`tar -C top -cf - .` as a Docker scaffold pipes it, by tarfile (hard links as links)."""
     buf = io.BytesIO()
@@ -574,15 +566,15 @@ def test_cli_cp_stdin_that_trickles_in_is_not_taken_for_a_stalled_one(daemon_fac
         c.close()
 
 
-def test_hard_links_come_out_of_a_container_as_hard_links(daemon, container, tmp_path):
+def test_hard_links_come_out_as_hard_links(daemon, sandbox, tmp_path):
     """A file with two names in the sandbox comes out once, its second name
     a link to it (one copy of its bytes), as tar(1) and docker cp give it."""
-    container.exec(["sh", "-c", "mkdir -p /work/h/sub && dd if=/dev/urandom of=/work/h/a bs=1k count=64 2>/dev/null "
+    sandbox.exec(["sh", "-c", "mkdir -p /work/h/sub && dd if=/dev/urandom of=/work/h/a bs=1k count=64 2>/dev/null "
                           "&& ln /work/h/a /work/h/sub/b && echo solo > /work/h/c"])
-    r = container.download_dir("/work/h", str(tmp_path / "h"))
+    r = sandbox.download_dir("/work/h", str(tmp_path / "h"))
     assert r["bytes"] == (64 << 10) + 5
     assert os.stat(tmp_path / "h" / "a").st_ino == os.stat(tmp_path / "h" / "sub" / "b").st_ino
-    out = daemon.cli("cp", f"{container.id}:/work/h", "-")
+    out = daemon.cli("cp", f"{sandbox.id}:/work/h", "-")
     assert out.returncode == 0, out.stderr
     links = [(m.name, m.linkname) for m in tarfile.open(fileobj=io.BytesIO(out.stdout)) if m.islnk()]
     assert links == [("h/sub/b", "h/a")]
