@@ -1,5 +1,6 @@
-"""Numbers (sandbox host ids, bridge addresses) claimed host-wide, so that
-two dsecd daemons of one host never hand out the same one."""
+"""Numbers (sandbox host ids, bridge addresses, published host ports)
+claimed host-wide, so that two dsecd daemons of one host never hand out the
+same one."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ class HostClaims:
     """Numbers claimed host-wide, among every dsecd daemon of the host: a
     POSIX record lock on bytes start..start+count-1 of one file per kind of
     number (sandbox host ids: dsecd/userns.py; addresses on a bridge:
-    dsecd/net/ipam.py). Another daemon's claim on any of those bytes makes
-    them taken, however each daemon is configured. The locks are the daemon
+    dsecd/net/ipam.py; published host ports: dsecd/net/nat.py PortClaims).
+    Another daemon's claim on any of those bytes makes them taken, however
+    each daemon is configured. The locks are the daemon
     process's own: held while it lives, not inherited by the children it
     forks (the zygote), and gone with it however it ends (kill -9 too), so a
     claim never outlives its daemon and the next start claims what its

@@ -61,6 +61,8 @@ TABLE = "dsecd"
 DEFAULT_BRIDGE = "dsec0"
 # Where a daemon claims the table of its bridge (a byte at the bridge's block).
 HOST_CLAIMS = "/run/dsecd-nat.lock"
+# Where every daemon claims the host ports it publishes (PortClaims).
+PORT_CLAIMS = "/run/dsecd-ports.lock"
 
 
 def _claim_table(ns_path: str | None, bridge: str) -> int | None:
@@ -71,6 +73,68 @@ def _claim_table(ns_path: str | None, bridge: str) -> int | None:
 
 def _give_up_table(ns_path: str | None, bridge: str) -> None:
     HostClaims(HOST_CLAIMS).give_up(bridge_block(ns_path, bridge), 1)
+
+
+class PortClaims:
+    """The host ports published in one netns (the bridge's), claimed
+    host-wide: byte `base + port` of PORT_CLAIMS for a TCP port, `base +
+    65536 + port` for a UDP one (HostClaims), where `base` is the netns's
+    block (bridge_block with no bridge name: a host port is the netns's,
+    whichever bridge its DNAT leads to). Two daemons of one netns each pick
+    a host port, check it free (no listener, no other table's DNAT) and
+    then add their DNAT: without the claim both could pick and publish the
+    same one at the same moment. A claim is taken before those checks and
+    held while the publication stands, so one port is never two daemons'.
+
+    Each of this daemon's publications claims its port under its own key
+    (two publications may share a host port on different bind addresses):
+    the byte is given up when the last of them goes. The lifetime is
+    HostClaims': the daemon process's, so a restarted daemon claims its
+    records' ports again. Not thread-safe by itself: callers hold a lock
+    (Network does)."""
+
+    def __init__(self, ns_path: str | None, path: str = PORT_CLAIMS):
+        self.base = bridge_block(ns_path, "")
+        self.claims = HostClaims(path)
+        self._users: dict[tuple[str, int], set[str]] = {}     # (protocol, host port) -> publication keys
+
+    def _offset(self, proto: str, port: int) -> int:
+        return self.base + (65536 if proto == "udp" else 0) + int(port)
+
+    def claim(self, proto: str, port: int, user: str) -> int | None:
+        """Claim `proto` host port `port` for the publication `user`: None
+        once it is this daemon's, else the pid of the daemon holding it (0:
+        it let go a moment ago)."""
+        users = self._users.get((proto, int(port)))
+        if users:
+            users.add(user)
+            return None
+        pid = self.claims.claim(self._offset(proto, port), 1)
+        if pid is None:
+            self._users[(proto, int(port))] = {user}
+        return pid
+
+    def give_up(self, proto: str, port: int, user: str) -> None:
+        """The publication `user` no longer holds the port (a no-op if it did
+        not); the byte goes with the port's last one."""
+        users = self._users.get((proto, int(port)))
+        if users is None or user not in users:
+            return
+        users.discard(user)
+        if not users:
+            del self._users[(proto, int(port))]
+            self.claims.give_up(self._offset(proto, port), 1)
+
+    def keep_only(self, users: set[str]) -> None:
+        """Give up every claim of a publication not in `users` (those a
+        restart claimed for records whose sandbox is gone, or whose port was
+        not published again)."""
+        for (proto, port), held in list(self._users.items()):
+            for user in held - users:
+                self.give_up(proto, port, user)
+
+    def held(self) -> dict[tuple[str, int], set[str]]:
+        return {k: set(v) for k, v in self._users.items()}
 
 
 def table_name(bridge: str) -> str:

@@ -44,11 +44,20 @@ from pathlib import Path
 from .. import native
 from ..errors import BadRequest, Conflict, DsecError, LimitExceeded, NotFound
 from ..fds import close_quietly
+from ..hostclaims import pids_note
 from ..journal import RecordLog
 from ..protocol import check_protocol
 from . import rules as R
 from .ipam import AddressClaims, Ipam, Lease
-from .nat import HostNat, Ipv6Forgets, NatError, delete_table, forget_address, table_name
+from .nat import (
+    HostNat,
+    Ipv6Forgets,
+    NatError,
+    PortClaims,
+    delete_table,
+    forget_address,
+    table_name,
+)
 from .plumbing import BridgeSpec, Plumbing, host_ifname, in_netns, netns_path, vm_ifname, vm_mac
 from .policy import Engine
 from .pool import NetnsPool, Ready
@@ -198,10 +207,18 @@ class Network:
         lo, _, hi = str(cfg.get("publish_ports", "30000-32767")).partition("-")
         self.publish_range = (int(lo), int(hi or lo))
         self._host_ports: dict[tuple[str, str, int], str] = {}     # (protocol, bind, host port) -> sandbox id
+        # Claimed host-wide (nat.PortClaims): another daemon of the bridge's
+        # netns never publishes a host port one of ours holds. The records'
+        # ports are claimed again now, before this daemon's table replaces
+        # the previous one's (whose DNAT kept other daemons off them), and
+        # kept for readopt's republish.
+        self.port_claims = PortClaims(self.plumbing.ns_path)
+        self._claim_recorded_ports()
         if self.uplink:
             try:
                 self._nat_table()
             except BaseException:
+                self.port_claims.keep_only(set())     # no Network: nothing of this daemon's is published
                 self.records.close()
                 self.plumbing.close()
                 raise
@@ -301,6 +318,8 @@ class Network:
         stays while networked sandboxes run on (their egress NAT and published
         ports go on until the next daemon, as across a kill -9), else goes."""
         self.pool.close()
+        with self._lock:
+            self.port_claims.keep_only(set())
         try:
             if self.nat is not None:
                 with self._lock:
@@ -353,6 +372,23 @@ class Network:
                     self.ipam.restore(sb_id, rec["ipv4"])
                 except ValueError as err:     # readopt gives it a fresh one if it is still alive
                     log.error("sandbox %s: %s", sb_id, err)
+
+    def _claim_recorded_ports(self) -> None:
+        for sb_id, rec in self.records.records.items():
+            for pub in recorded_ports(rec):
+                try:
+                    key = _nat_key(sb_id, int(pub["port"]), pub["protocol"])
+                    pid = self.port_claims.claim(pub["protocol"], int(pub["host_port"]), key)
+                except (KeyError, TypeError, ValueError):
+                    continue                  # a torn entry: its republish says so
+                if pid is not None:
+                    log.warning("sandbox %s: host port %s/%s of its port %s is another daemon's now%s",
+                                sb_id, pub["host_port"], pub["protocol"], pub["port"], pids_note([pid]))
+
+    def _published_keys(self) -> set[str]:
+        """The keys of every publication this daemon has (_nat_key)."""
+        with self._lock:
+            return {_nat_key(sb.id, port, proto) for sb in self._sbs.values() for port, proto in sb.ports}
 
     def _compact(self) -> None:
         # Under the Network lock: update_now() then sees it busy and leaves the
@@ -739,7 +775,8 @@ class Network:
                                {"sandbox": sb_id, "port": port, "protocol": protocol})
             if bind:
                 self._check_local(bind)
-            hp = self._pick_host_port(nat, host_port, bind, sb_id, protocol)
+            key = _nat_key(sb_id, port, protocol)
+            hp = self._pick_host_port(nat, host_port, bind, sb_id, protocol, key)
             self._publish_rules(nat, sb, {"port": port, "protocol": protocol, "host_port": hp, "bind": bind})
             try:
                 self._write_record(sb)
@@ -760,10 +797,11 @@ class Network:
                              "for all of them", {"bind": bind})
 
     def _pick_host_port(self, nat: HostNat, host_port: int | None, bind: str, sb_id: str,
-                        protocol: str = "tcp") -> int:
+                        protocol: str, key: str) -> int:
         """A host port for a `protocol` publication: one no other publication of
-        that protocol here, no other table's DNAT of it and no socket of it on
-        the host side has (TCP and UDP ports of one number are apart)."""
+        that protocol here, no other daemon's claim (nat.PortClaims), no other
+        table's DNAT of it and no socket of it on the host side has (TCP and
+        UDP ports of one number are apart). Returned claimed for `key`."""
         def taken(hp: int) -> str | None:
             for (proto, b, p), owner in self._host_ports.items():
                 if proto == protocol and p == hp and (not b or not bind or b == bind):
@@ -781,26 +819,49 @@ class Network:
             if owner is not None:
                 raise Conflict(f"host port {shown} is published already (sandbox {owner}); pick another "
                                "--host-port", {"host_port": host_port, "protocol": protocol})
-            if host_port in others:
-                raise Conflict(f"host port {shown} is DNATed by another nftables table of the host side "
-                               "(the bridge's network namespace: another daemon's published port, or a "
-                               "container engine's); pick another --host-port",
-                               {"host_port": host_port, "protocol": protocol})
+            self._claim_port(protocol, int(host_port), key)
             try:
-                nat.check_host_port(host_port, bind, protocol)
-            except NatError as err:
-                raise Conflict(err.strerror or str(err), {"host_port": host_port, "protocol": protocol}) from None
+                if host_port in others:
+                    raise Conflict(f"host port {shown} is DNATed by another nftables table of the host side "
+                                   "(the bridge's network namespace: another daemon's published port, or a "
+                                   "container engine's); pick another --host-port",
+                                   {"host_port": host_port, "protocol": protocol})
+                try:
+                    nat.check_host_port(host_port, bind, protocol)
+                except NatError as err:
+                    raise Conflict(err.strerror or str(err),
+                                   {"host_port": host_port, "protocol": protocol}) from None
+            except BaseException:
+                self.port_claims.give_up(protocol, int(host_port), key)
+                raise
             return int(host_port)
         lo, hi = self.publish_range
+        held_by: set[int] = set()
         for hp in range(lo, hi + 1):
             if taken(hp) is None and hp not in others:
+                pid = self.port_claims.claim(protocol, hp, key)
+                if pid is not None:         # another daemon's, maybe not DNATed yet: passed over
+                    held_by.add(pid)
+                    continue
                 try:
                     nat.check_host_port(hp, bind, protocol)
                 except NatError:
+                    self.port_claims.give_up(protocol, hp, key)
                     continue
                 return hp
         raise LimitExceeded(f"no free {protocol.upper()} host port in net.publish_ports {lo}-{hi} "
-                            f"for sandbox {sb_id}")
+                            f"for sandbox {sb_id}"
+                            + (f" (some are other daemons'{pids_note(held_by)})" if held_by else ""))
+
+    def _claim_port(self, protocol: str, host_port: int, key: str) -> None:
+        """Claim `protocol` `host_port` for the publication `key`; Conflict
+        naming the daemon that holds it."""
+        pid = self.port_claims.claim(protocol, host_port, key)
+        if pid is not None:
+            shown = f"{host_port}/udp" if protocol == "udp" else host_port
+            raise Conflict(f"host port {shown} is published by another dsecd daemon of the host side (the "
+                           f"bridge's network namespace){pids_note([pid])}; pick another --host-port",
+                           {"host_port": host_port, "protocol": protocol, "pid": pid})
 
     def _publish_rules(self, nat: HostNat, sb: _Sandbox, pub: dict) -> None:
         """The publication's DNAT, and for UDP the BPF side's entry that lets
@@ -809,13 +870,19 @@ class Network:
         the DNAT lets in already marks its sender."""
         addr = sb.ipv4.split("/")[0]
         port, proto = pub["port"], pub["protocol"]
-        if proto == "udp":
-            self.engine.publish_udp(sb.cgroup_id, port)
-        try:
-            nat.publish(_nat_key(sb.id, port, proto), pub["host_port"], pub["bind"], addr, port, proto)
-        except BaseException:
+        key = _nat_key(sb.id, port, proto)
+        self._claim_port(proto, pub["host_port"], key)      # held already when picked (or restored)
+        try:                                                # given up if it is not published
             if proto == "udp":
-                self.engine.unpublish_udp(sb.cgroup_id, port)
+                self.engine.publish_udp(sb.cgroup_id, port)
+            try:
+                nat.publish(key, pub["host_port"], pub["bind"], addr, port, proto)
+            except BaseException:
+                if proto == "udp":
+                    self.engine.unpublish_udp(sb.cgroup_id, port)
+                raise
+        except BaseException:
+            self.port_claims.give_up(proto, pub["host_port"], key)
             raise
         sb.ports[(port, proto)] = pub
         self._host_ports[(proto, pub["bind"], pub["host_port"])] = sb.id
@@ -838,6 +905,7 @@ class Network:
             self.nat.forget_flows(pub["host_port"], sb.ipv4.split("/")[0], port, proto)
         del sb.ports[key]
         self._host_ports.pop((proto, pub["bind"], pub["host_port"]), None)
+        self.port_claims.give_up(proto, pub["host_port"], _nat_key(sb.id, port, proto))
 
     def unpublish(self, sb_id: str, port: int, protocol: str = "tcp") -> dict:
         protocol = check_protocol(protocol)
@@ -1389,6 +1457,10 @@ class Network:
         finally:
             for m in previous.values():
                 m.close()
+            with self._lock:
+                # Ports of records whose sandbox is gone, or that were not
+                # published again: no longer this daemon's.
+                self.port_claims.keep_only(self._published_keys())
         return {"adopted": adopted, "released": sorted(set(released)), "failed": failed, "sealed": sealed,
                 "held": stuck}
 
@@ -1439,6 +1511,11 @@ class Network:
             name = pub.get("port") if pub["protocol"] == "tcp" else f"{pub.get('port')}/{pub['protocol']}"
             try:
                 nat = self._nat_table()
+                with self._lock:
+                    # Another daemon may hold it now (claimed while none of
+                    # ours did): refused, naming it.
+                    self._claim_port(pub["protocol"], int(pub["host_port"]),
+                                     _nat_key(sb.id, int(pub["port"]), pub["protocol"]))
                 # While no daemon ran (its table goes at stop) a process of the
                 # host side may have taken the port: the DNAT would hide it.
                 nat.check_host_port(int(pub["host_port"]), pub["bind"], pub["protocol"])

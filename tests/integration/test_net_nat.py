@@ -12,6 +12,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -19,6 +20,8 @@ from test_net_daemon import _toml_net
 from test_net_kit import World, bpf_skip_reason
 
 from dsecd.errors import BadRequest, DsecError
+from dsecd.net.nat import PortClaims
+from dsecd.net.plumbing import netns_path
 
 pytestmark = pytest.mark.skipif(bpf_skip_reason() is not None, reason=bpf_skip_reason() or "")
 
@@ -331,6 +334,56 @@ def test_a_host_port_taken_while_no_daemon_ran_is_not_published_over(iworld, nat
         held.close()
 
 
+def test_a_host_port_another_daemon_holds_is_passed_over_or_refused_naming_it(iworld, natd):
+    """Host ports are claimed host-wide (nat.PortClaims), TCP and UDP apart,
+    before a daemon checks and DNATs them: a port another daemon claimed and
+    has not DNATed yet (this test's process, standing in for one between its
+    pick and its DNAT) is passed over by an automatic pick and refused,
+    naming that daemon, when asked for. The daemon's own claims go with the
+    publication, come back from its journal when it restarts, and go with
+    the sandbox."""
+    d, c = natd
+    sb = c.create(image="busybox", net="default")
+    first = sb.publish(8080)["host_port"]          # what the daemon picks first
+    sb.unpublish(8080)
+    other = PortClaims(netns_path(iworld.br_ns))
+    assert other.claim("tcp", first, "other") is None          # given up with the unpublish
+    try:
+        assert sb.publish(8080)["host_port"] != first
+        r = d.cli("port", sb.id, "9090", "--host-port", str(first))
+        err = r.stderr.decode()
+        assert r.returncode != 0 and f"host port {first} is published by another dsecd daemon" in err, err
+        assert f"(pid {os.getpid()})" in err, err
+        # The UDP port of that number is not the claimed TCP one.
+        assert sb.publish(5353, host_port=first, protocol="udp")["host_port"] == first
+        assert other.claim("udp", first, "other") == d.proc.pid
+        sb.unpublish(5353, protocol="udp")
+        assert other.claim("udp", first, "other") is None
+        assert sb.publish(5353, protocol="udp")["host_port"] != first
+        r = d.cli("port", sb.id, "5354/udp", "--host-port", str(first))
+    finally:
+        other.give_up("tcp", first, "other")
+        other.give_up("udp", first, "other")
+    err = r.stderr.decode()
+    assert r.returncode != 0 and f"host port {first}/udp is published by another dsecd daemon" in err, err
+    sb.publish(9090, host_port=first)
+    assert other.claim("tcp", first, "other") == d.proc.pid
+    # Killed, its claims go with it; started again, it claims its records' ports.
+    c.close()
+    d.stop(signal.SIGKILL)
+    d.start()
+    c = d.client()
+    sb = c.get(sb.id)
+    assert sb.get_host(9090).endswith(f":{first}")
+    assert other.claim("tcp", first, "other") == d.proc.pid
+    sb.destroy()
+    try:
+        assert other.claim("tcp", first, "other") is None       # gone with the sandbox
+    finally:
+        other.give_up("tcp", first, "other")
+    c.close()
+
+
 def _connect_in(ns: str, addr: str) -> socket.socket:
     """A TCP connection to `addr` ("host:port") made from the netns `ns`."""
     host, port = addr.rsplit(":", 1)
@@ -490,7 +543,8 @@ def test_daemons_sharing_a_netns_keep_their_own_tables(iworld, natd, daemon_fact
             assert osb.get_host(8080).rsplit(":", 1)[1] != host.rsplit(":", 1)[1]
             r = other.cli("port", osb.id, "9090", "--host-port", host.rsplit(":", 1)[1])
             err = r.stderr.decode()
-            assert r.returncode != 0 and "is DNATed by another nftables table of the host side" in err, err
+            assert r.returncode != 0 and "is published by another dsecd daemon of the host side" in err, err
+            assert f"(pid {d.proc.pid})" in err, err
             osb.destroy()
         finally:
             oc.close()
@@ -502,6 +556,44 @@ def test_daemons_sharing_a_netns_keep_their_own_tables(iworld, natd, daemon_fact
     assert wget(sb, f"http://{iworld.inet}/")[0] == 0
     sb.unpublish(8080)
     sb.destroy()
+
+
+def test_two_daemons_publishing_at_once_never_share_a_host_port(iworld, natd, daemon_factory, busybox_rootfs):
+    """Two daemons of one bridge netns (bridges of their own) publishing at
+    the same moment: each picks a host port, checks it free and adds its
+    DNAT, and without the host-wide claim (nat.PortClaims) both would take
+    the ports neither had DNATed yet."""
+    d, c = natd
+    cfg = dict(iworld.cfg, bridge="dsec1", ipv4_subnet="10.77.0.0/16", ipv4_pool="10.77.1.0/24", ipv6_subnet="")
+    other = daemon_factory(_toml_net(cfg).replace("[net]\n", '[net]\nuplink = "auto"\n'))
+    oc = other.client()
+    try:
+        oc.import_image(busybox_rootfs, "busybox")
+        sandboxes = [c.create(image="busybox", net="default"), oc.create(image="busybox", net="default")]
+        got: list[list[int]] = [[], []]
+        errors: list[BaseException] = []
+        both_ready = threading.Barrier(2)
+
+        def publish(i: int) -> None:
+            try:
+                both_ready.wait()
+                for port in range(8000, 8020):
+                    got[i].append(sandboxes[i].publish(port)["host_port"])
+            except BaseException as err:
+                errors.append(err)
+
+        threads = [threading.Thread(target=publish, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert len(set(got[0])) == len(set(got[1])) == 20
+        assert set(got[0]) & set(got[1]) == set()
+    finally:
+        oc.destroy_all(force=True)      # its table goes at its stop only with no sandbox left
+        oc.close()
+        other.stop(signal.SIGTERM)
 
 
 def _tracked_from(ns: str, addr: str) -> list:
