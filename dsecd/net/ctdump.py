@@ -28,7 +28,8 @@ from dataclasses import dataclass
 NETLINK_NETFILTER = 12
 _CT_GET = (1 << 8) | 1          # NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_GET
 _CT_DELETE = (1 << 8) | 2       # ... | IPCTNL_MSG_CT_DELETE
-_NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_DUMP = 0x1, 0x4, 0x300
+_NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_DUMP, _NLM_F_DUMP_INTR = 0x1, 0x4, 0x300, 0x10
+_DUMP_TRIES = 8                 # as nldump.DUMP_TRIES
 _NLMSG_ERROR, _NLMSG_DONE = 2, 3
 _CTA_TUPLE_ORIG, _CTA_ID, _CTA_ZONE = 1, 12, 18
 _CTA_TUPLE_IP = 1
@@ -95,6 +96,7 @@ class CtSocket:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.seq = 0
+        self.interrupted = False        # a reply of the last request carried NLM_F_DUMP_INTR
         sock.bind((0, 0))
 
     def close(self) -> None:
@@ -115,16 +117,19 @@ class CtSocket:
     def _messages(self, seq: int):
         """(type, buffer, body start, end) of each reply to request `seq`,
         until its end (NLMSG_DONE, or the ack of a non-dump); CtError for
-        an error reply."""
+        an error reply. Sets `interrupted` if any of them (NLMSG_DONE too)
+        says the table changed during the dump."""
+        self.interrupted = False
         while True:
             buf = self.sock.recv(1 << 16)
             at = 0
             while at + _HDR.size <= len(buf):
-                length, kind, _flags, mseq, _pid = _HDR.unpack_from(buf, at)
+                length, kind, flags, mseq, _pid = _HDR.unpack_from(buf, at)
                 if length < _HDR.size:
                     raise CtError(errno.EPROTO, f"conntrack: a reply of length {length}")
                 end = at + length
                 if mseq == seq:
+                    self.interrupted = self.interrupted or bool(flags & _NLM_F_DUMP_INTR)
                     if kind == _NLMSG_DONE:
                         return
                     if kind == _NLMSG_ERROR:
@@ -139,16 +144,22 @@ class CtSocket:
         """The entries of the table of `family` (AF_INET or AF_INET6) whose
         message holds the bytes `containing` anywhere (a packed address: a
         substring search skips the parse of all others; the caller checks
-        the fields it wants)."""
-        seq = self._send(_CT_GET, _NLM_F_REQUEST | _NLM_F_DUMP, family)
-        out = []
-        for _kind, buf, start, end in self._messages(seq):
-            if containing and buf.find(containing, start, end) < 0:
-                continue
-            entry = parse_entry(buf, start + _NFGEN.size, end, family)
-            if entry is not None:
-                out.append(entry)
-        return out
+        the fields it wants). A dump whose replies say the table changed
+        meanwhile (NLM_F_DUMP_INTR: entries may be missing) is done again,
+        at most _DUMP_TRIES times; CtError (EAGAIN) if each was."""
+        for _ in range(_DUMP_TRIES):
+            seq = self._send(_CT_GET, _NLM_F_REQUEST | _NLM_F_DUMP, family)
+            out = []
+            for _kind, buf, start, end in self._messages(seq):
+                if containing and buf.find(containing, start, end) < 0:
+                    continue
+                entry = parse_entry(buf, start + _NFGEN.size, end, family)
+                if entry is not None:
+                    out.append(entry)
+            if not self.interrupted:
+                return out
+        raise CtError(errno.EAGAIN, f"conntrack: the table changed during each of {_DUMP_TRIES} dumps "
+                      "(NLM_F_DUMP_INTR)")
 
     def delete(self, family: int, entry: Entry) -> bool:
         """Delete `entry` (by its original tuple, id and zone: not a later

@@ -49,7 +49,7 @@ import socket
 import threading
 
 from ..hostclaims import HostClaims, pids_note
-from . import ctdump
+from . import ctdump, nldump
 from .ctdump import NETLINK_NETFILTER
 from .ipam import bridge_block
 from .plumbing import in_netns, netlink_socket
@@ -257,13 +257,18 @@ def default_route_ifname(ns_path: str | None) -> str:
     """The interface of the IPv4 default route in the netns (net.uplink = "auto")."""
     from pyroute2 import IPRoute
 
+    sock = netlink_socket(ns_path)
+    try:
+        found = nldump.routes(sock, socket.AF_INET, "list the IPv4 routes")
+    finally:
+        sock.close()
+    # A default route: one with no destination (in any table, as before).
+    oifs = [r.get_attr("RTA_OIF") for r in found if r.get_attr("RTA_DST") is None]
     with IPRoute(fileno=netlink_socket(ns_path).detach(), groups=0) as ipr:
-        for route in ipr.get_default_routes(family=socket.AF_INET):
-            oif = route.get_attr("RTA_OIF")
-            if oif:
-                links = ipr.get_links(oif)
-                if links:
-                    return links[0].get_attr("IFLA_IFNAME")
+        for oif in filter(None, oifs):
+            links = ipr.get_links(oif)
+            if links:
+                return links[0].get_attr("IFLA_IFNAME")
     where = f"netns `{ns_path}`" if ns_path else "the daemon's netns"
     raise NatError(errno.ENETUNREACH, f"net.uplink = \"auto\": no IPv4 default route in {where}; "
                    "set net.uplink to an interface name, or \"\" for no egress NAT")

@@ -47,6 +47,7 @@ from pyroute2.netlink.rtnl.ifaddrmsg import IFA_F_NODAD, ifaddrmsg
 from pyroute2.netlink.rtnl.ifinfmsg import IFF_UP, ifinfmsg
 from pyroute2.netlink.rtnl.rtmsg import rtmsg
 
+from . import nldump
 from .ipam import Lease
 
 _NLMSG_HDR = struct.Struct("=IHHII")
@@ -251,7 +252,8 @@ class Plumbing:
             # expires. Setting it, even to the current value, pins it.
             mac = ipr.get_links(idx)[0].get_attr("IFLA_ADDRESS")
             ipr.link("set", index=idx, address=mac)
-            have = {(a.get_attr("IFA_ADDRESS"), a["prefixlen"]) for a in ipr.get_addr(index=idx)}
+            have = {(a.get_attr("IFA_ADDRESS"), a["prefixlen"]) for a in self._dump(nldump.addresses)
+                    if a["index"] == idx}
             for gw in filter(None, (self.spec.gateway4, self.spec.gateway6)):
                 iface = ipaddress.ip_interface(gw)
                 if (str(iface.ip), iface.network.prefixlen) not in have:
@@ -377,13 +379,17 @@ class Plumbing:
             raise
         return True
 
+    def _dump(self, what):
+        """`what` (an nldump dump) of the bridge netns, over a socket of its own."""
+        sock = netlink_socket(self.ns_path)
+        try:
+            return what(sock)
+        finally:
+            sock.close()
+
     def links_with_prefix(self, prefix: str) -> list[str]:
         """Names of the bridge netns' links starting with `prefix` (a start-up sweep; not hot)."""
-        ipr = IPRoute(fileno=netlink_socket(self.ns_path).detach(), groups=0)
-        try:
-            names = [link.get_attr("IFLA_IFNAME") or "" for link in ipr.get_links()]
-        finally:
-            ipr.close()
+        names = [link.get_attr("IFLA_IFNAME") or "" for link in self._dump(nldump.links)]
         return [n for n in names if n.startswith(prefix)]
 
 
@@ -397,30 +403,26 @@ class Plumbing:
         forwards IPv6)."""
         import ipaddress
 
-        ipr = IPRoute(fileno=netlink_socket(self.ns_path).detach(), groups=0)
-        try:
-            out = []
-            for a in ipr.get_addr():
-                # IFA_LOCAL is this side's address; IFA_ADDRESS is the same
-                # but on a point-to-point one (`ip addr add A peer B`), where
-                # it is the peer's.
-                text = a.get_attr("IFA_LOCAL") or a.get_attr("IFA_ADDRESS")
-                if not text:
-                    continue
-                addr = ipaddress.ip_address(text)
-                out.append(addr)
-                if not subnets or addr.is_loopback:
-                    continue
-                net = ipaddress.ip_interface(f"{addr}/{a['prefixlen']}").network
-                if addr.version == 4 and net.prefixlen < 31:
-                    out.append(net.broadcast_address)
-                elif addr.version == 6 and net.prefixlen < 127:
-                    out.append(net.network_address)
-                if a.get_attr("IFA_BROADCAST"):
-                    out.append(ipaddress.ip_address(a.get_attr("IFA_BROADCAST")))
-            return list(dict.fromkeys(out))
-        finally:
-            ipr.close()
+        out = []
+        for a in self._dump(nldump.addresses):
+            # IFA_LOCAL is this side's address; IFA_ADDRESS is the same
+            # but on a point-to-point one (`ip addr add A peer B`), where
+            # it is the peer's.
+            text = a.get_attr("IFA_LOCAL") or a.get_attr("IFA_ADDRESS")
+            if not text:
+                continue
+            addr = ipaddress.ip_address(text)
+            out.append(addr)
+            if not subnets or addr.is_loopback:
+                continue
+            net = ipaddress.ip_interface(f"{addr}/{a['prefixlen']}").network
+            if addr.version == 4 and net.prefixlen < 31:
+                out.append(net.broadcast_address)
+            elif addr.version == 6 and net.prefixlen < 127:
+                out.append(net.network_address)
+            if a.get_attr("IFA_BROADCAST"):
+                out.append(ipaddress.ip_address(a.get_attr("IFA_BROADCAST")))
+        return list(dict.fromkeys(out))
 
 
 def bridge_exists(host_netns: str, name: str) -> bool:
