@@ -194,6 +194,11 @@ class _Build:
         except DsecError as err:
             raise self._error(build_plan.base_line, f"FROM {err.message}", err.code, **err.detail) from err
         try:
+            # Said before any step runs; the publish checks again.
+            await self.svc.workers.run(self.store.check_parent, req.name, build_plan.base)
+        except ImageError as err:
+            raise self._error(build_plan.base_line, f"FROM {err}", err.code, **(err.detail or {})) from err
+        try:
             sources = await self._find_sources(build_plan)
             self.total = 1 + len(build_plan.steps)
             for step in build_plan.steps:

@@ -770,6 +770,7 @@ class ImageService:
         # A name taken is said before the sandbox is frozen for nothing (and
         # checked again at the commit, for one taken meanwhile).
         await self._images_call(self.images.name_free, req.name)
+        await self._images_call(self.images.check_parent, req.name, sb.image)
         base = await self._images_call(self.images.get_manifest, sb.manifest, sb.image)
         # What dsecd wrote into a networked sandbox (its resolver, its hosts) is not its image's.
         networked = bool(sb.net) and sb.net.get("mode") == "default"

@@ -314,14 +314,77 @@ class ImageStore:
                     unreadable.append({"name": name, "error": str(err)})
         return images, unreadable
 
+    # ------------------------------------------------------------ parents
+
+    def ancestors(self, image: Image) -> tuple[list[str], str | None]:
+        """The canonical names of `image`'s parent, its parent's parent and so
+        on, as their refs say now: (names, looped). A parent is a name, and a
+        name can be moved or removed after a child named it, so the walk stops
+        at an image with no parent, or after a name no image has now (the
+        last in the list) or whose image cannot be read. Refs already on disk
+        may form a cycle (a store an older daemon wrote, which did not refuse
+        one): the walk stops at the first name it meets twice, returned as
+        `looped` (None: no cycle)."""
+        chain: list[str] = []
+        seen = {image.name}
+        parent = image.parent
+        while parent:
+            try:
+                above = self.get(parent, pull_hint=False)
+            except ImageError:
+                chain.append(self.key(parent))
+                break
+            if above.name in seen:
+                return chain, above.name
+            seen.add(above.name)
+            chain.append(above.name)
+            parent = above.parent
+        return chain, None
+
+    def check_parent(self, name: str, parent: str | None, tagged: str | None = None) -> None:
+        """Refuse (`conflict`) to publish `name` with parent `parent` when
+        that makes the name its own parent or ancestor: `parent` is `name`
+        (an image built --from, or snapshotted from, the name it is to
+        replace) or an image whose chain of parents holds `name`. `tagged`:
+        the image a tag names again (the tag takes its parent). The chain
+        holds names no image has now too: a child still names a removed
+        parent, and would name the image that takes the name next."""
+        if not parent:
+            return
+        name = self.key(name)
+        try:
+            base = self.get(parent, pull_hint=False)
+            chain = [base.name, *self.ancestors(base)[0]]
+        except ImageError:
+            chain = [self.key(parent)]
+        if name not in chain:
+            return
+        shown = " -> ".join(chain[:chain.index(name) + 1])
+        detail = {"image": name, "parent": chain[0], "chain": chain}
+        if tagged is not None:
+            raise ImageError("conflict", f"cannot tag {tagged!r} as {name!r}: {tagged!r} was made from {name!r} "
+                             f"(its parents: {shown}), and a tag keeps the image's parent, so {name!r} would "
+                             f"be its own ancestor; tag it under a name outside that chain", detail)
+        if chain[0] == name:
+            raise ImageError("conflict", f"image {name!r} cannot be made from {name!r} under that same name: it "
+                             f"would name itself as its parent; give the new image another name, or tag the "
+                             f"base under another name first (`dsec image tag {name} {name}-base`) and make the "
+                             f"new image from that", detail)
+        raise ImageError("conflict", f"image {name!r} cannot be made from {chain[0]!r}: {chain[0]!r} was made "
+                         f"from {name!r} (its parents: {shown}), so {name!r} would be its own ancestor; give "
+                         f"the new image a name outside that chain", detail)
+
     def _publish(self, name: str, manifest_digest: str, parent: str | None,
-                 source: dict | None = None, replace: bool = False) -> tuple[Image, str | None]:
+                 source: dict | None = None, replace: bool = False,
+                 tagged: str | None = None) -> tuple[Image, str | None]:
         """Point `name` at a manifest. Without `replace` an existing name is
         `conflict`; with it (a pull moving a tag, a Dockerfile build) the name
         moves atomically (rename). Returns the image published, made from the
         ref written (not read back by name: on a shared store another host
         may have renamed its own over it, or be renaming it, by then), and
-        the manifest the name had before (None: it was new)."""
+        the manifest the name had before (None: it was new). A parent that
+        would make the name its own ancestor is refused (check_parent)."""
+        self.check_parent(name, parent, tagged)
         path = self._ref(name)
         tmp = self.store.temp_path(".ref")
         ref = {"manifest": manifest_digest, "created": time.time(), "parent": parent}
@@ -371,7 +434,8 @@ class ImageStore:
                 if not self.store.exists(digest):      # collected before the pin: rm and gc meanwhile
                     raise ImageError("not_found", f"image {source!r} was removed meanwhile ({digest} is gone "
                                      "from the store)")
-            tagged, before = self._publish(name, image.manifest, image.parent, image.source, replace=True)
+            tagged, before = self._publish(name, image.manifest, image.parent, image.source, replace=True,
+                                           tagged=image.name)
         tagged.extra["replaced"] = before if before != image.manifest else None
         return tagged
 
@@ -560,6 +624,7 @@ class ImageStore:
             raise ImageError("bad_request", f"build source must be an absolute path, got {src!r}")
         base = self.get(parent) if parent else None
         parent = base.name if base else None
+        self.check_parent(name, parent)       # before any work; _publish checks again
         with self.pinning() as hold:
             if base:
                 self._hold_existing(hold, base.layers)
