@@ -402,7 +402,7 @@ def _print_image_details(img: dict) -> None:
     """`dsec image inspect` without --json: the image and its config, one field a line."""
     cfg = imageconfig.normalise(img.get("config"))
     rows = [("name", img["name"]), ("manifest", img["manifest"]),
-            ("layers", ", ".join(f"{layer['digest'][7:19]} ({_human_bytes(layer['size'])})"
+            ("layers", ", ".join(f"{layer['digest'][7:19]} ({_human_bytes(layer.get('bytes', layer['size']))})"
                                  for layer in img["layers"]) or "none"),
             ("size", _human_bytes(img["bytes"])), ("parent", img.get("parent") or "-"),
             ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(img["created"]))

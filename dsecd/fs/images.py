@@ -67,13 +67,18 @@ class Image:
     parent: str | None = None
     source: dict | None = None       # a pulled image's origin: ref, registry manifest digest, platform
     extra: dict = field(default_factory=dict)
+    # Each layer's data (ImageStore.blob_bytes), in the order of `layers`;
+    # `size` is their sum. Kept apart from `layers`, which go into manifests.
+    layer_bytes: list[int] = field(default_factory=list)
 
     @property
     def layer_digests(self) -> list[str]:
         return [layer["digest"] for layer in self.layers]
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "manifest": self.manifest, "layers": self.layers,
+        layers = [{**layer, "bytes": n} for layer, n in zip(self.layers, self.layer_bytes, strict=True)] \
+            if len(self.layer_bytes) == len(self.layers) else self.layers
+        return {"name": self.name, "manifest": self.manifest, "layers": layers,
                 "config": self.config, "created": self.created, "bytes": self.size,
                 "parent": self.parent, "source": self.source, "kind": "erofs", **self.extra}
 
@@ -109,6 +114,7 @@ class ImageStore:
         # create resolves its image, and need not re-read and re-hash the blob.
         self._manifests: dict[str, dict] = {}
         self._indexes: dict[str, str] = {}      # layer digest -> its chunk index digest
+        self._bytes: dict[str, int] = {}        # blob digest -> blob_bytes (immutable, as the blob)
         # name -> ((inode, mtime ns, size) of its ref file, parsed ref). A ref is
         # replaced by rename (a new inode), possibly by another daemon on the
         # same store: a stat tells whether the parsed copy is still current,
@@ -183,10 +189,37 @@ class ImageStore:
     def _image_of(self, name: str, ref: dict) -> Image:
         """The image of `name` whose ref is `ref` (what its file holds)."""
         manifest = self._manifest(ref["manifest"])
-        size = sum(layer["size"] for layer in manifest["layers"])
+        sizes = self._layer_sizes(manifest["layers"])
         return Image(name=name, manifest=ref["manifest"], layers=manifest["layers"],
-                     config=manifest["config"], created=ref["created"], size=size,
-                     parent=ref.get("parent"), source=ref.get("source"))
+                     config=manifest["config"], created=ref["created"], size=sum(sizes),
+                     parent=ref.get("parent"), source=ref.get("source"), layer_bytes=sizes)
+
+    def blob_bytes(self, digest: str) -> int:
+        """The bytes a blob holds: an EROFS layer's image as its superblock
+        gives its length, without the zeros its file is padded with to a
+        multiple of 2 MiB (erofs.pad_to_pmem: sparse, they take no disk and
+        hold no data); any other blob's length. What image sizes, `image du`
+        and `image gc` count. OSError: the blob cannot be read."""
+        n = self._bytes.get(digest)
+        if n is None:
+            path = self.store.path(digest)
+            n = erofs.data_size(path)
+            if n is None:
+                n = path.stat().st_size
+            self._bytes[digest] = n
+        return n
+
+    def _layer_sizes(self, layers: list[dict]) -> list[int]:
+        """blob_bytes of each layer; a blob that cannot be read now (a store
+        that does not answer, a layer collected) counts as the manifest's
+        `size` of it, its file's length: an image is still answered."""
+        sizes = []
+        for layer in layers:
+            try:
+                sizes.append(self.blob_bytes(layer["digest"]))
+            except OSError:
+                sizes.append(layer["size"])
+        return sizes
 
     def _missing_hint(self, name: str, parsed: names.ImageName, pull_hint: bool) -> str:
         """Where to look for an image `name` (parsed) that is not here: the
@@ -261,8 +294,9 @@ class ImageStore:
     def get_manifest(self, digest: str, name: str = "") -> Image:
         """The image a manifest digest describes, whatever names point at it now."""
         manifest = self._manifest(digest)
+        sizes = self._layer_sizes(manifest["layers"])
         return Image(name=name, manifest=digest, layers=manifest["layers"], config=manifest["config"],
-                     created=0.0, size=sum(layer["size"] for layer in manifest["layers"]))
+                     created=0.0, size=sum(sizes), layer_bytes=sizes)
 
     def _manifest(self, digest: str) -> dict:
         cached = self._manifests.get(digest)
@@ -544,14 +578,16 @@ class ImageStore:
         chunk index's hashes, made while it was written (store.ChunkHasher)."""
         try:
             size = tmp.stat().st_size      # of the temp file: the blob may be shared (and collected) later
+            data = erofs.data_size(tmp) or size
             digest, added, index = self.store.ingest_layer(tmp, hold, chunks)
         except OSError as err:
             tmp.unlink(missing_ok=True)
             raise ImageError("io", f"layer file {tmp}: {err.strerror}") from err
         except StoreError as err:
             raise ImageError(err.code, str(err)) from err
+        self._bytes[digest] = data
         if progress:
-            progress({"step": "layer", "digest": digest, "bytes": size, "new": added})
+            progress({"step": "layer", "digest": digest, "bytes": data, "new": added})
         return {"digest": digest, "size": size, "index": index}
 
     def _commit(self, name: str, layers: list[dict], config: dict, parent: str | None,
@@ -790,8 +826,14 @@ class ImageStore:
             cache_removed = self._gc_build_cache(keep)
             removed, freed = [], 0
             for digest in sorted(self.store.all_digests() - keep):
-                freed += self.store.remove(digest)
+                try:
+                    held = self.blob_bytes(digest)
+                except OSError:
+                    held = 0
+                if self.store.remove(digest):
+                    freed += held
                 self._manifests.pop(digest, None)
+                self._bytes.pop(digest, None)
                 removed.append(digest)
             self._sweep_diffids()
         self.store.sweep_tmp()
@@ -844,7 +886,7 @@ class ImageStore:
         sizes = {}
         for d in self.store.all_digests():
             try:
-                sizes[d] = self.store.size(d)
+                sizes[d] = self.blob_bytes(d)
             except FileNotFoundError:     # collected by a gc since the listing
                 continue
         total = sum(sizes.values())

@@ -140,7 +140,7 @@ def test_two_images_on_one_base_store_it_once(world, c):
     base_blob = layer_blob(world["layers"]["base"])
     assert reg.blob_gets(base_blob) == 1, "the shared base was downloaded more than once"
     du = c.request("image_du")
-    assert du["shared_layer_bytes"] >= v1["layers"][0]["size"]
+    assert du["shared_layer_bytes"] >= v1["layers"][0]["bytes"]
     assert v1["layers"][0]["digest"][7:] in store_blobs(d)
 
 
