@@ -325,6 +325,9 @@ class _ProgressBar:
             return
         if p.get("step") == "unpack":
             text = f"unpacking layer {p['layer']}/{p['of']} ({p['entries']} entries)"
+        elif p.get("step") == "merge":
+            text = (f"merging layer {p['layer']}/{p['of']}: {p['entries']} entries, "
+                    f"{_human_bytes(p['bytes'])} copied")
         elif p.get("step") == "mkfs.erofs" and "bytes" in p:
             of = f" of ~{_human_bytes(p['total'])}" if p.get("total") else ""
             text = f"packing the layer: {_human_bytes(p['bytes'])}{of} written"
@@ -489,6 +492,18 @@ async def cmd_image(c: Client, a) -> int:
     if a.image_cmd == "tag":
         img = await c.tag_image(a.source, a.name)
         _print_json(img) if a.json else _print_image(img, "tagged", _replaced(img))
+        return 0
+    if a.image_cmd == "flatten":
+        bar = _ProgressBar(not a.json)
+        try:
+            img = await c.flatten_image(a.name, a.as_name, bar)
+        finally:
+            bar.done()
+        if a.json:
+            _print_json(img)
+        else:
+            _print_image(img, "flattened", f" (from {img['flattened']['layers']} layer(s), manifest "
+                         f"{img['flattened']['manifest'][:19]}){_replaced(img)}")
         return 0
     if a.image_cmd == "gc":
         r = await c.image_gc()

@@ -420,6 +420,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "an image of that name is replaced")
     x.add_argument("source", help="the image to name")
     x.add_argument("name", help="its new name")
+    x = img.add_parser("flatten", help="make an image one layer (its layers merged, as a sandbox sees "
+                       "them): a deep chain of snapshots or builds becomes a flat image, the same config")
+    x.add_argument("name", help="the image to flatten")
+    x.add_argument("--as", dest="as_name", metavar="NEW",
+                   help="name the flat image NEW (a name no image has; its parent is NAME); "
+                   "default: NAME itself moves to it")
 
     cr = sub.add_parser("create", help="create a sandbox; prints its id (it runs nothing: see dsec run)",
                         usage="dsec create [options] IMAGE (or --image IMAGE)")

@@ -1382,6 +1382,17 @@ class Client:
         `name`, with `replaced` (the manifest the name had, or None)."""
         return await self.request("image_tag", source=source, name=name)
 
+    async def flatten_image(self, name: str, as_name: str | None = None,
+                            progress: Callable[[dict], None] | None = None) -> dict:
+        """Image `name` as one layer (its layers merged as a sandbox sees
+        them), the same config: under `as_name` (new; its parent is `name`),
+        or `name` itself moves to it. `progress` gets each event:
+        {"step": "merge", layer, of, entries, bytes}, then the pack's. Result:
+        the flat image, with `flattened` (the manifest and layer count it
+        was made from) and `replaced`."""
+        args = {"name": name, **({"as_name": as_name} if as_name else {})}
+        return await self._with_progress("image_flatten", args, progress)
+
     # ---------------------------------------------------------------- sandboxes
 
     async def create(self, image: str, cpu: float | None = None, memory: int | str | None = None,

@@ -100,7 +100,7 @@ SERVICE_ROUTES = {
     "image_build": ("image_service", "build"), "image_list": ("image_service", "list"),
     "image_build_dockerfile": ("builds", "build"),
     "image_inspect": ("image_service", "inspect"), "image_rm": ("image_service", "rm"),
-    "image_tag": ("image_service", "tag"),
+    "image_tag": ("image_service", "tag"), "image_flatten": ("image_service", "flatten"),
     "image_gc": ("image_service", "gc"), "image_du": ("image_service", "du"),
     "image_pull": ("image_service", "pull"),
     "snapshot": ("image_service", "snapshot"),

@@ -340,6 +340,12 @@ class ImageTag:
     name: str                    # its new name (one taken is moved to it)
 
 
+@request("image_flatten", stream=True)
+class ImageFlatten:
+    name: str                    # the image to flatten
+    as_name: str | None = None   # a new name for the flat image; None: `name` moves to it
+
+
 @request("create")
 class Create:
     image: str

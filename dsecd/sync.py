@@ -728,6 +728,10 @@ class SyncClient(_LoopThread):
     def tag_image(self, source: str, name: str) -> dict:
         return self._run(self._client.tag_image(source, name))
 
+    def flatten_image(self, name: str, as_name: str | None = None, progress=None) -> dict:
+        """Client.flatten_image; `progress` is called on the client's loop thread."""
+        return self._run(self._client.flatten_image(name, as_name, progress))
+
     def inspect_image(self, name: str) -> dict:
         return self._run(self._client.inspect_image(name))
 

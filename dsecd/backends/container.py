@@ -256,8 +256,8 @@ class ContainerBackend:
                 raise LimitExceeded(
                     f"create sandbox {sb_id}: its image has {err.layers} layers, more than a container's overlay "
                     f"mounts here (about {err.fit}: its mount options, a path per layer, fit in one page); use an "
-                    "image of fewer layers: `dsec image build` of a directory or a root file system tarball "
-                    "makes one, and a chain of snapshots gains one per snapshot",
+                    "image of fewer layers: `dsec image flatten IMAGE` makes it a single layer (a chain "
+                    "of snapshots gains one per snapshot)",
                     {"layers": err.layers, "max_layers": err.fit}) from err
             finally:
                 if theirs is not None:

@@ -29,7 +29,7 @@ from ..fs import upper as upperfs
 from ..fs.clientpaths import ClientPathError, ClientPaths
 from ..fs.httpstop import Stop
 from ..fs.images import UNPACK_PREFIX, Image, ImageError, ImageStore
-from ..fs.layers import LayerMounts
+from ..fs.layers import LayerMounts, distinct_layers
 from ..fs.pager import Pager, PagerConfig, PagerError, cache_cap
 from ..fs.pull import Puller, PullSettings, host_os_arch
 from ..fs.registry import RegistryConfig
@@ -687,6 +687,31 @@ class ImageService:
         users = [s.id for s in self.registry.by_id.values()
                  if image.manifest is not None and s.manifest == image.manifest and s.state != "dead"]
         return {**image.to_dict(), "sandboxes": users}
+
+    async def flatten(self, req, ctx) -> dict:
+        """An image as one layer (ImageStore.flatten), its progress streamed;
+        a cancel stops it short of publishing."""
+        cancelled = threading.Event()
+        with count_image_op("flatten") as done:
+            try:
+                image = await self._images_call(self.images.flatten, req.name, req.as_name, self._mounted,
+                                                self._progress(ctx), cancelled)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            done(image)
+        return image.to_dict()
+
+    @contextlib.contextmanager
+    def _mounted(self, digests: list[str]):
+        """The mount dirs of an image's layers (bottom first, each once),
+        held mounted for the with block as a sandbox holds them."""
+        distinct = distinct_layers(digests)
+        mounts = self.layers.acquire(distinct)
+        try:
+            yield mounts
+        finally:
+            self.layers.release(distinct)
 
     async def tag(self, req, ctx) -> dict:
         """A second name for an image (docker tag): the name moves at once if

@@ -214,8 +214,8 @@ class MicroVMService:
         n = len(distinct_layers(digests))
         if n > MAX_LAYERS:
             raise BadRequest(f"image {image!r} has {n} distinct layers, and a microVM takes at most {MAX_LAYERS} "
-                             "layers (one virtio-pmem device each): build one with fewer (`dsec image build` of "
-                             "a directory or root file system tarball makes one layer), or run it in a container",
+                             f"layers (one virtio-pmem device each): `dsec image flatten {image}` makes it a "
+                             "single layer; or run it in a container",
                              {"layers": n, "max_layers": MAX_LAYERS})
 
     async def create(self, sb: Sandbox, limits, disk: int) -> VmHandle:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from .. import imageconfig
-from . import erofs, names, oci
+from . import erofs, flatten, names, oci
 from .buildcache import BuildCache
 from .store import BlobStore, ChunkHasher, StoreError, check_digest, unreachable_hint, write_durable
 
@@ -682,6 +682,57 @@ class ImageStore:
             image, before = self.publish(name, digest, parent, replace=True)
             image.extra["replaced"] = before if before != digest else None
             return image
+
+    def flatten(self, name: str, new_name: str | None,
+                mounted: Callable[[list[str]], contextlib.AbstractContextManager[list[str]]],
+                progress: Progress | None = None, cancelled: threading.Event | None = None) -> Image:
+        """The image `name` as one layer: its layers merged as its overlay
+        shows them (fs/flatten.py), in a scratch directory, packed by
+        mkfs.erofs; the same config. `mounted(digests)` holds the layers
+        mounted for the with block and gives their directories, bottom
+        first. Under `new_name` (a name no image has) its parent is `name`;
+        without one the name itself moves to the flat image (its parent
+        kept), unless it was pointed elsewhere meanwhile (`conflict`).
+        `cancelled`, once set, stops the work and publishes nothing."""
+        image = self.get(name)
+        if new_name:
+            target, parent, replace = self.name_free(new_name), image.name, False
+        else:
+            target, parent, replace = image.name, image.parent, True
+        self.check_parent(target, parent)
+        with self.pinning() as hold:
+            hold(image.manifest)
+            self._hold_existing(hold, image.layers)
+            work = Path(tempfile.mkdtemp(prefix=UNPACK_PREFIX, dir=self.scratch))
+            try:
+                tree = work / "tree"
+                with mounted(image.layer_digests) as dirs:
+                    try:
+                        flatten.merge(dirs, tree, progress, cancelled)
+                    except flatten.Cancelled:
+                        raise ImageError("conflict", f"flatten of {image.name!r} cancelled: nothing "
+                                         "published") from None
+                    except OSError as err:
+                        room = (f"; the merged tree is written in {self.scratch}, which needs room for the "
+                                f"image's {image.size} bytes") if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+                        raise ImageError("io", f"flatten of {image.name!r}: {err.filename or tree}: "
+                                         f"{err.strerror or err}{room}") from err
+                layer = self.build_layer(tree, progress=progress, hold=hold, cancelled=cancelled)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            if cancelled is not None and cancelled.is_set():
+                raise ImageError("conflict", f"flatten of {image.name!r} cancelled: nothing published")
+            digest = self.put_manifest([layer], image.config, hold)
+            if replace:
+                now = self.get(image.name)
+                if now.manifest != image.manifest:
+                    raise ImageError("conflict", f"image {image.name!r} was changed while it was flattened "
+                                     f"(it names manifest {now.manifest[:19]} now, not {image.manifest[:19]}): "
+                                     "nothing published; flatten it again")
+            flat, before = self.publish(target, digest, parent, replace=replace)
+        flat.extra["replaced"] = before if before != digest else None
+        flat.extra["flattened"] = {"manifest": image.manifest, "layers": len(image.layers)}
+        return flat
 
     def _remove_scratch_leftovers(self) -> None:
         """Remove the trees a killed daemon left unpacking a tarball

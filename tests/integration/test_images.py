@@ -584,6 +584,60 @@ def test_a_snapshot_leaves_out_a_directory_copy_still_under_way(daemon_factory, 
     assert asyncio.run(go()) == b""
 
 
+def test_a_chain_of_snapshots_flattens_to_one_layer_of_the_same_tree(images):
+    """Each snapshot of a snapshot adds a layer, with deletions (whiteouts),
+    a directory replaced whole (opaque), hard links, symlinks and owners.
+    `image flatten` makes one layer a sandbox sees exactly as the chain:
+    under a new name (its parent the chain's top), or moving the name."""
+    d, c = images
+    steps = [
+        "mkdir -p /work/a/sub /work/gone && echo 0 > /work/a/sub/f && echo x > /work/gone/x && ln -s a/sub/f /work/l"
+        " && echo h > /work/h1 && ln /work/h1 /work/h2",
+        "rm -rf /work/gone /bin/vi && echo 1 >> /work/a/sub/f && ln /work/a/sub/f /work/a/hard && chmod 600 /work/a/hard",
+        "rm -rf /work/a/sub && mkdir /work/a/sub && echo new > /work/a/sub/only && chown 1000:1000 /work/a/sub/only",
+        "mkdir /work/gone && echo back > /work/gone/y && rm /work/l && ln -s gone/y /work/l && rm /etc/group",
+    ]
+    image = "base"
+    for n, step in enumerate(steps):
+        with c.sandbox(image=image) as sb:
+            assert sb.exec(["sh", "-c", step]).exit_code == 0
+            image = sb.snapshot(f"chain-{n}")["name"]
+    script = ("cd / && find bin etc work | sort | while read p; do if [ -L \"$p\" ]; then echo \"$p L $(readlink "
+              "\"$p\")\"; elif [ -d \"$p\" ]; then echo \"$p D $(stat -c %a:%u:%g \"$p\")\"; else echo \"$p F "
+              "$(stat -c %a:%u:%g \"$p\") $(md5sum < \"$p\")\"; fi; done")
+
+    def tree(name: str) -> str:
+        with c.sandbox(image=name) as sb:
+            r = sb.exec(["sh", "-c", script])
+            assert r.exit_code == 0, r.stderr
+            return r.stdout.decode()
+    chained = tree(image)
+    assert "work/a/sub/only F 644:1000:1000 " in chained and "work/gone/x" not in chained
+    events = []
+    flat = c.flatten_image(image, "chain-flat", progress=events.append)
+    deep = c.inspect_image(image)
+    assert len(deep["layers"]) == len(steps) + 1 and len(flat["layers"]) == 1
+    assert (flat["name"], flat["parent"], flat["config"]) == ("chain-flat", image, deep["config"])
+    assert flat["flattened"] == {"manifest": deep["manifest"], "layers": len(steps) + 1}
+    assert {e["step"] for e in events} >= {"merge", "layer"}
+    assert [e for e in events if e["step"] == "merge"][-1]["layer"] == len(steps) + 1
+    assert tree("chain-flat") == chained       # (link counts left out: overlay shows a lower file's own)
+    with c.sandbox(image="chain-flat") as sb:
+        inodes = sb.exec(["stat", "-c", "%i", "/work/h1", "/work/h2"]).stdout.split()
+        assert inodes[0] == inodes[1]                                  # a hard link stays one
+    moved = d.cli("image", "flatten", image, "--json")
+    assert moved.returncode == 0, moved.stderr
+    moved = json.loads(moved.stdout)
+    assert (moved["manifest"], moved["replaced"]) == (flat["manifest"], deep["manifest"])
+    assert c.inspect_image(image)["parent"] == deep["parent"]        # the same image, one layer: its parent kept
+    with pytest.raises(Conflict, match="exists"):
+        c.flatten_image(image, "chain-0")
+    with pytest.raises(NotFound):
+        c.flatten_image("no-such-image")
+    r = d.cli("image", "flatten", "no-such-image")
+    assert r.returncode == 1 and b"no image named 'no-such-image'" in r.stderr
+
+
 def test_snapshot_name_conflict_and_missing_sandbox(images):
     d, c = images
     sb = c.create(image="base")
@@ -697,15 +751,21 @@ def test_an_image_of_more_layers_than_an_overlay_mounts_is_a_limit(daemon_factor
     """A chain of snapshots (or builds) adds a layer each time; past what
     one overlay mount takes (its options, a path per layer, fit in a
     page: a couple of hundred layers), a create is `limit` saying so and
-    what to do, not an internal error, and nothing of it is left."""
+    what to do, not an internal error, and nothing of it is left; the
+    image flattened to one layer starts."""
     d = daemon_factory()
     c = d.client()
     try:
         _layer_chain(c, busybox_rootfs, tmp_path, 300)
         with pytest.raises(LimitExceeded) as err:
             c.create(image="l299")
-        assert "300 layers" in err.value.message and "fewer layers" in err.value.message
+        assert "300 layers" in err.value.message and "dsec image flatten IMAGE" in err.value.message
         assert c.list() == []
+        flat = c.flatten_image("l299", "l299-flat")          # no overlay mount: no limit of one
+        assert len(flat["layers"]) == 1 and flat["flattened"]["layers"] == 300
+        with c.sandbox(image="l299-flat") as sb:
+            r = sb.exec(["sh", "-c", "cat /f1 /f150 /f299 /top"])
+            assert (r.exit_code, r.stdout) == (0, b"1\n150\n299\n299\n"), r
     finally:
         c.close()
 

@@ -94,7 +94,7 @@ def test_valued_options_match_the_parser():
 
 # A valid argument list per command, to which --json is appended.
 MINIMAL = {("image", "build"): ["d", "--name", "n"], ("image", "import"): ["d", "--name", "n"],
-           ("image", "inspect"): ["n"], ("image", "rm"): ["n"], ("image", "pull"): ["r"], ("image", "tag"): ["s", "n"],
+           ("image", "inspect"): ["n"], ("image", "rm"): ["n"], ("image", "pull"): ["r"], ("image", "tag"): ["s", "n"], ("image", "flatten"): ["n"],
            ("create",): ["--image", "i"], ("run",): ["i", "--", "true"],
            ("pool", "set"): ["--image", "i", "--min", "0", "--max", "1"], ("exec",): ["SB", "--", "true"],
            ("trace",): ["SB", "--", "true"], ("call",): ["--image", "i", "--", "true"], ("cp",): ["a", "b"],

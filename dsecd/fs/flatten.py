@@ -1,0 +1,180 @@
+"""An image's layers merged into one directory tree, as its overlay shows them.
+
+`image_flatten` makes one layer of a deep image (a long chain of snapshots
+of snapshots): its layers, each mounted (fs/layers.py), are copied into a
+scratch directory bottom first, each applied over the ones below as
+overlayfs stacks them, and mkfs.erofs packs the result. No overlay is
+mounted for it, so no limit on how many layers one mount takes applies:
+an image too deep for a sandbox (its overlay options past a page) is
+flattened all the same.
+
+Applying a layer, for each of its entries (a directory before what it
+holds):
+  * a whiteout (a 0:0 character device) removes the path below it;
+  * a directory with the opaque xattr hides what the layers below hold in
+    it: its contents so far are removed first;
+  * a directory is merged into the one below (its owner, mode and xattrs
+    replace that one's), anything else replaces the path.
+Owners, modes, xattrs (overlay's own `trusted.overlay.*` left out: they
+describe how a layer was made, not a file of the image), symlinks, device
+nodes, fifos and hard links within a layer are kept. mtimes are not:
+mkfs.erofs writes every layer with timestamp 0 (fs/erofs.py).
+
+Blocking: call it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+OVERLAY_XATTRS = "trusted.overlay."
+OPAQUE = "trusted.overlay.opaque"
+PROGRESS_EVERY_S = 0.2
+CHUNK = 1 << 20
+
+
+class Cancelled(Exception):
+    """The merge saw its `cancelled` event set: the tree is incomplete."""
+
+
+def merge(layers: list[str], dest: Path, progress: Callable[[dict], None] | None = None,
+          cancelled: threading.Event | None = None) -> None:
+    """Apply the layer trees `layers` (bottom first) into `dest`, a new
+    directory. Progress: {"step": "merge", "layer", "of", "entries",
+    "bytes"} (of the layer being applied, 1-based; entries and bytes copied
+    so far in all), at most every PROGRESS_EVERY_S."""
+    dest.mkdir(mode=0o700)
+    state = _State(len(layers), progress, cancelled)
+    for n, top in enumerate(layers, 1):
+        state.layer = n
+        _apply(Path(top), dest, state)
+    state.report(force=True)
+
+
+class _State:
+    def __init__(self, of: int, progress, cancelled):
+        self.of, self.layer = of, 0
+        self.entries = self.bytes = 0
+        self.progress, self.cancelled = progress, cancelled
+        self.last = 0.0
+
+    def tick(self, copied: int = 0) -> None:
+        self.entries += 1
+        self.bytes += copied
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise Cancelled()
+        self.report()
+
+    def report(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.progress is not None and (force or now - self.last >= PROGRESS_EVERY_S):
+            self.last = now
+            self.progress({"step": "merge", "layer": self.layer, "of": self.of, "entries": self.entries,
+                           "bytes": self.bytes})
+
+
+def _apply(top: Path, dest: Path, state: _State) -> None:
+    """One layer's tree over `dest`."""
+    linked: dict[tuple[int, int], str] = {}      # (dev, ino) of a file with more names -> its copy
+    st = os.lstat(top)
+    _attrs(str(top), str(dest), st)
+    if _opaque(str(top)):
+        _clear(str(dest))
+    stack = [("", str(top))]
+    while stack:
+        rel, src_dir = stack.pop()
+        with os.scandir(src_dir) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                src = entry.path
+                out = os.path.join(dest, rel, entry.name)
+                st = os.lstat(src)
+                copied = 0
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:        # a whiteout
+                    _remove(out)
+                elif stat.S_ISDIR(st.st_mode):
+                    if not os.path.isdir(out) or os.path.islink(out):
+                        _remove(out)
+                        os.mkdir(out, 0o700)
+                    elif _opaque(src):
+                        _clear(out)
+                    _attrs(src, out, st)
+                    stack.append((os.path.join(rel, entry.name), src))
+                else:
+                    _remove(out)
+                    key = (st.st_dev, st.st_ino)
+                    if st.st_nlink > 1 and key in linked:
+                        os.link(linked[key], out)
+                    else:
+                        copied = _copy(src, out, st)
+                        if st.st_nlink > 1:
+                            linked[key] = out
+                state.tick(copied)
+
+
+def _copy(src: str, out: str, st: os.stat_result) -> int:
+    """A non-directory entry: its copy at `out` (absent), with its owner,
+    mode and xattrs. Returns the data bytes copied."""
+    copied = 0
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(src), out)
+    elif stat.S_ISREG(st.st_mode):
+        fd_in = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd_out = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                while n := os.sendfile(fd_out, fd_in, None, CHUNK):
+                    copied += n
+            finally:
+                os.close(fd_out)
+        finally:
+            os.close(fd_in)
+    else:                                   # a device, fifo or socket
+        os.mknod(out, stat.S_IFMT(st.st_mode) | 0o600, st.st_rdev)
+    _attrs(src, out, st)
+    return copied
+
+
+def _attrs(src: str, out: str, st: os.stat_result) -> None:
+    """Owner, then mode (a chown clears set-id bits), then xattrs: those of
+    `src` replace whatever `out` had."""
+    os.chown(out, st.st_uid, st.st_gid, follow_symlinks=False)
+    link = stat.S_ISLNK(st.st_mode)
+    if not link:
+        os.chmod(out, stat.S_IMODE(st.st_mode))
+    for name in os.listxattr(out, follow_symlinks=False):
+        os.removexattr(out, name, follow_symlinks=False)
+    for name in os.listxattr(src, follow_symlinks=False):
+        if not name.startswith(OVERLAY_XATTRS):
+            os.setxattr(out, name, os.getxattr(src, name, follow_symlinks=False), follow_symlinks=False)
+
+
+def _opaque(path: str) -> bool:
+    try:
+        return os.getxattr(path, OPAQUE, follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def _remove(path: str) -> None:
+    """Remove whatever is at `path`, a tree included; nothing there is fine."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _clear(path: str) -> None:
+    """Remove what the directory `path` holds (the layers below an opaque one)."""
+    with os.scandir(path) as entries:
+        for entry in list(entries):
+            _remove(entry.path)
