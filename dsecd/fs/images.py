@@ -409,15 +409,18 @@ class ImageStore:
                          f"the new image a name outside that chain", detail)
 
     def _publish(self, name: str, manifest_digest: str, parent: str | None,
-                 source: dict | None = None, replace: bool = False,
-                 tagged: str | None = None) -> tuple[Image, str | None]:
+                 source: dict | None = None, replace: bool = False, tagged: str | None = None,
+                 cancelled: threading.Event | None = None) -> tuple[Image, str | None]:
         """Point `name` at a manifest. Without `replace` an existing name is
         `conflict`; with it (a pull moving a tag, a Dockerfile build) the name
         moves atomically (rename). Returns the image published, made from the
         ref written (not read back by name: on a shared store another host
         may have renamed its own over it, or be renaming it, by then), and
         the manifest the name had before (None: it was new). A parent that
-        would make the name its own ancestor is refused (check_parent)."""
+        would make the name its own ancestor is refused (check_parent).
+        `cancelled`, set by the time the ref is written, publishes nothing
+        (`conflict`): looked at last, so a cancel that came while the
+        manifest and ref were written is not missed."""
         self.check_parent(name, parent, tagged)
         path = self._ref(name)
         tmp = self.store.temp_path(".ref")
@@ -426,6 +429,8 @@ class ImageStore:
             ref["source"] = source
         try:
             write_durable(tmp, json.dumps(ref).encode())
+            if cancelled is not None and cancelled.is_set():
+                raise ImageError("conflict", f"image {name!r}: cancelled: nothing published")
             before = None
             if replace:
                 try:
@@ -591,10 +596,11 @@ class ImageStore:
         return {"digest": digest, "size": size, "index": index}
 
     def _commit(self, name: str, layers: list[dict], config: dict, parent: str | None,
-                hold: Callable[[str], None], source: dict | None = None, replace: bool = False) -> Image:
+                hold: Callable[[str], None], source: dict | None = None, replace: bool = False,
+                cancelled: threading.Event | None = None) -> Image:
         manifest = {"schema": 1, "layers": layers, "config": imageconfig.normalise(config)}
         digest = self.store.put_bytes(_canonical(manifest), hold)
-        return self._publish(name, digest, parent, source, replace)[0]
+        return self._publish(name, digest, parent, source, replace, cancelled=cancelled)[0]
 
     def commit_pulled(self, name: str, layers: list[dict], config: dict, source: dict,
                       hold: Callable[[str], None]) -> Image:
@@ -679,7 +685,7 @@ class ImageStore:
                 raise ImageError("conflict", f"build of {name!r} cancelled: nothing published")
             digest = self.put_manifest(all_layers, imageconfig.normalise(imageconfig.stack(below, config or {})),
                                        hold)
-            image, before = self.publish(name, digest, parent, replace=True)
+            image, before = self.publish(name, digest, parent, replace=True, cancelled=cancelled)
             image.extra["replaced"] = before if before != digest else None
             return image
 
@@ -729,7 +735,7 @@ class ImageStore:
                     raise ImageError("conflict", f"image {image.name!r} was changed while it was flattened "
                                      f"(it names manifest {now.manifest[:19]} now, not {image.manifest[:19]}): "
                                      "nothing published; flatten it again")
-            flat, before = self.publish(target, digest, parent, replace=replace)
+            flat, before = self.publish(target, digest, parent, replace=replace, cancelled=cancelled)
         flat.extra["replaced"] = before if before != digest else None
         flat.extra["flattened"] = {"manifest": image.manifest, "layers": len(image.layers)}
         return flat
@@ -793,7 +799,7 @@ class ImageStore:
                                      total=total)
             if cancelled is not None and cancelled.is_set():
                 raise ImageError("conflict", f"snapshot to {name!r} cancelled: nothing published")
-            return self._commit(name, base.layers + [layer], base.config, base.name, hold)
+            return self._commit(name, base.layers + [layer], base.config, base.name, hold, cancelled=cancelled)
 
     # ------------------------------------------------------------ Dockerfile builds
 
@@ -815,10 +821,11 @@ class ImageStore:
         manifest = {"schema": 1, "layers": layers, "config": config}
         return self.store.put_bytes(_canonical(manifest), hold)
 
-    def publish(self, name: str, manifest: str, parent: str | None, replace: bool = False) -> tuple[Image, str | None]:
+    def publish(self, name: str, manifest: str, parent: str | None, replace: bool = False,
+                cancelled: threading.Event | None = None) -> tuple[Image, str | None]:
         """Name an image already in the store: (the image, the manifest the name
-        had before when `replace` moved it)."""
-        return self._publish(name, manifest, parent, replace=replace)
+        had before when `replace` moved it); nothing once `cancelled` is set."""
+        return self._publish(name, manifest, parent, replace=replace, cancelled=cancelled)
 
     def cache_lookup(self, key: str, hold: Callable[[str], None]) -> Image | None:
         """The image a build step with this key made before, its blobs pinned;
