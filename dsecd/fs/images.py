@@ -701,6 +701,8 @@ class ImageStore:
         kept), unless it was pointed elsewhere meanwhile (`conflict`).
         `cancelled`, once set, stops the work and publishes nothing."""
         image = self.get(name)
+        if new_name and self.new_name(new_name) == image.name:     # --as NAME: NAME itself
+            new_name = None
         if new_name:
             target, parent, replace = self.name_free(new_name), image.name, False
         else:

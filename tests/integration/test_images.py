@@ -625,7 +625,7 @@ def test_a_chain_of_snapshots_flattens_to_one_layer_of_the_same_tree(images):
     with c.sandbox(image="chain-flat") as sb:
         inodes = sb.exec(["stat", "-c", "%i", "/work/h1", "/work/h2"]).stdout.split()
         assert inodes[0] == inodes[1]                                  # a hard link stays one
-    moved = d.cli("image", "flatten", image, "--json")
+    moved = d.cli("image", "flatten", image, "--as", image, "--json")      # NAME as itself: moved
     assert moved.returncode == 0, moved.stderr
     moved = json.loads(moved.stdout)
     assert (moved["manifest"], moved["replaced"]) == (flat["manifest"], deep["manifest"])
