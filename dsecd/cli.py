@@ -401,6 +401,20 @@ async def cmd_image_dockerfile(c: Client, a) -> int:
     return 0
 
 
+def _ancestors(img: dict) -> str:
+    """An image's chain of parents as inspect answers it, by name: each the
+    parent of the one before; where refs loop (an older daemon wrote them),
+    the name met again and how to break it."""
+    chain = img.get("ancestors")
+    if chain is None:                # a daemon that does not answer it
+        return "-"
+    text = " -> ".join(chain) or "-"
+    if img.get("ancestors_loop"):
+        text += (f" -> {img['ancestors_loop']} again: a cycle of parents; remove one of these names and make "
+                 "its image again to break it")
+    return text
+
+
 def _print_image_details(img: dict) -> None:
     """`dsec image inspect` without --json: the image and its config, one field a line."""
     cfg = imageconfig.normalise(img.get("config"))
@@ -408,6 +422,7 @@ def _print_image_details(img: dict) -> None:
             ("layers", ", ".join(f"{layer['digest'][7:19]} ({_human_bytes(layer.get('bytes', layer['size']))})"
                                  for layer in img["layers"]) or "none"),
             ("size", _human_bytes(img["bytes"])), ("parent", img.get("parent") or "-"),
+            ("ancestors", _ancestors(img)),
             ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(img["created"]))
              if img.get("created") else "-"),
             ("user", cfg["user"] or "(root)"), ("cwd", cfg["cwd"]),

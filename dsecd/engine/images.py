@@ -667,9 +667,11 @@ class ImageService:
 
     async def inspect(self, req, ctx) -> dict:
         image = await self._images_call(self.images.get, req.name)
+        ancestors, looped = await self._images_call(self.images.ancestors, image)
         users = [s.id for s in self.registry.by_id.values() if s.manifest == image.manifest]
         mounted = {d: self.layers.is_mounted(d) for d in image.layer_digests}
-        out = {**image.to_dict(), "sandboxes": users, "layers_mounted": mounted, "mode": self.image_mode}
+        out = {**image.to_dict(), "sandboxes": users, "layers_mounted": mounted, "mode": self.image_mode,
+               "ancestors": ancestors, "ancestors_loop": looped}
         if self.pager is not None:
             try:
                 blobs = (await self.workers.run(self.pager.stats)).blobs
