@@ -401,18 +401,22 @@ async def cmd_image_dockerfile(c: Client, a) -> int:
     return 0
 
 
+# What `dsec image inspect` says after the last name of an image's
+# ancestors, by why the walk stopped there (image_inspect's ancestors_end).
+_ANCESTORS_END = {
+    "removed": " (removed since)",
+    "replaced": " (the name was moved to another image since)",
+    "loop": " again: a cycle of parents in refs written before parents were recorded with their manifest",
+}
+
+
 def _ancestors(img: dict) -> str:
-    """An image's chain of parents as inspect answers it, by name: each the
-    parent of the one before; where refs loop (an older daemon wrote them),
-    the name met again and how to break it."""
+    """An image's chain of parents as inspect answers it, by name, each the
+    parent of the one before, and what became of the last one."""
     chain = img.get("ancestors")
-    if chain is None:                # a daemon that does not answer it
+    if not chain:                    # none, or a daemon that does not answer it
         return "-"
-    text = " -> ".join(chain) or "-"
-    if img.get("ancestors_loop"):
-        text += (f" -> {img['ancestors_loop']} again: a cycle of parents; remove one of these names and make "
-                 "its image again to break it")
-    return text
+    return " -> ".join(chain) + _ANCESTORS_END.get(img.get("ancestors_end"), "")
 
 
 def _print_image_details(img: dict) -> None:

@@ -194,11 +194,6 @@ class _Build:
         except DsecError as err:
             raise self._error(build_plan.base_line, f"FROM {err.message}", err.code, **err.detail) from err
         try:
-            # Said before any step runs; the publish checks again.
-            await self.svc.workers.run(self.store.check_parent, req.name, build_plan.base)
-        except ImageError as err:
-            raise self._error(build_plan.base_line, f"FROM {err}", err.code, **(err.detail or {})) from err
-        try:
             sources = await self._find_sources(build_plan)
             self.total = 1 + len(build_plan.steps)
             for step in build_plan.steps:
@@ -215,7 +210,8 @@ class _Build:
                 for step in build_plan.steps:
                     image = await self._step(step, image, sources.get(step.n))
                 named, before = await self._store_call(self.store.publish, req.name, image.manifest,
-                                                       build_plan.base, True)
+                                                       build_plan.base, True, None,
+                                                       base_images[build_plan.base].manifest)
                 self.named = named
             finally:
                 # Submitted at once and shielded: a cancelled build still unpins.

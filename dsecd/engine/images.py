@@ -667,11 +667,11 @@ class ImageService:
 
     async def inspect(self, req, ctx) -> dict:
         image = await self._images_call(self.images.get, req.name)
-        ancestors, looped = await self._images_call(self.images.ancestors, image)
+        ancestors, end = await self._images_call(self.images.ancestors, image)
         users = [s.id for s in self.registry.by_id.values() if s.manifest == image.manifest]
         mounted = {d: self.layers.is_mounted(d) for d in image.layer_digests}
         out = {**image.to_dict(), "sandboxes": users, "layers_mounted": mounted, "mode": self.image_mode,
-               "ancestors": ancestors, "ancestors_loop": looped}
+               "ancestors": ancestors, "ancestors_end": end}
         if self.pager is not None:
             try:
                 blobs = (await self.workers.run(self.pager.stats)).blobs
@@ -797,7 +797,6 @@ class ImageService:
         # A name taken is said before the sandbox is frozen for nothing (and
         # checked again at the commit, for one taken meanwhile).
         await self._images_call(self.images.name_free, req.name)
-        await self._images_call(self.images.check_parent, req.name, sb.image)
         base = await self._images_call(self.images.get_manifest, sb.manifest, sb.image)
         # What dsecd wrote into a networked sandbox (its resolver, its hosts) is not its image's.
         networked = bool(sb.net) and sb.net.get("mode") == "default"

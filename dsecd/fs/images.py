@@ -65,6 +65,10 @@ class Image:
     created: float
     size: int = 0
     parent: str | None = None
+    # The manifest `parent` named when this image was made: a name moves on
+    # (a tag, a rebuild), and the walk up the chain (ImageStore.ancestors)
+    # stops where it no longer names that image. None in refs written before.
+    parent_manifest: str | None = None
     source: dict | None = None       # a pulled image's origin: ref, registry manifest digest, platform
     extra: dict = field(default_factory=dict)
     # Each layer's data (ImageStore.blob_bytes), in the order of `layers`;
@@ -80,7 +84,8 @@ class Image:
             if len(self.layer_bytes) == len(self.layers) else self.layers
         return {"name": self.name, "manifest": self.manifest, "layers": layers,
                 "config": self.config, "created": self.created, "bytes": self.size,
-                "parent": self.parent, "source": self.source, "kind": "erofs", **self.extra}
+                "parent": self.parent, "parent_manifest": self.parent_manifest, "source": self.source,
+                "kind": "erofs", **self.extra}
 
 
 def _canonical(obj: dict) -> bytes:
@@ -192,7 +197,8 @@ class ImageStore:
         sizes = self._layer_sizes(manifest["layers"])
         return Image(name=name, manifest=ref["manifest"], layers=manifest["layers"],
                      config=manifest["config"], created=ref["created"], size=sum(sizes),
-                     parent=ref.get("parent"), source=ref.get("source"), layer_bytes=sizes)
+                     parent=ref.get("parent"), parent_manifest=ref.get("parent_manifest"),
+                     source=ref.get("source"), layer_bytes=sizes)
 
     def blob_bytes(self, digest: str) -> int:
         """The bytes a blob holds: an EROFS layer's image as its superblock
@@ -350,81 +356,55 @@ class ImageStore:
 
     # ------------------------------------------------------------ parents
 
-    def ancestors(self, image: Image) -> tuple[list[str], str | None]:
-        """The canonical names of `image`'s parent, its parent's parent and so
-        on, as their refs say now: (names, looped). A parent is a name, and a
-        name can be moved or removed after a child named it, so the walk stops
-        at an image with no parent, or after a name no image has now (the
-        last in the list) or whose image cannot be read. Refs already on disk
-        may form a cycle (a store an older daemon wrote, which did not refuse
-        one): the walk stops at the first name it meets twice, returned as
-        `looped` (None: no cycle)."""
+    def ancestors(self, image: Image) -> tuple[list[str], str]:
+        """`image`'s parent, its parent's parent and so on, by canonical name:
+        (names, end), `end` saying why the walk stopped after the last name:
+        "none" (that image has no parent), "removed" (no image has the
+        name now, or its image cannot be read), "replaced" (the name now
+        names another image than the one its child was made from: a tag
+        or a rebuild moved it on) or "loop" (the name was met before: refs
+        written before parents were recorded with their manifest may form
+        a cycle, e.g. `dsec image tag child parent`). A name repeats only
+        in a loop: each step follows a parent's recorded manifest, and an
+        image is always made after its parent's manifest was."""
         chain: list[str] = []
         seen = {image.name}
-        parent = image.parent
+        parent, made_from = image.parent, image.parent_manifest
         while parent:
             try:
                 above = self.get(parent, pull_hint=False)
             except ImageError:
                 chain.append(self.key(parent))
-                break
-            if above.name in seen:
-                return chain, above.name
-            seen.add(above.name)
+                return chain, "removed"
             chain.append(above.name)
-            parent = above.parent
-        return chain, None
-
-    def check_parent(self, name: str, parent: str | None, tagged: str | None = None) -> None:
-        """Refuse (`conflict`) to publish `name` with parent `parent` when
-        that makes the name its own parent or ancestor: `parent` is `name`
-        (an image built --from, or snapshotted from, the name it is to
-        replace) or an image whose chain of parents holds `name`. `tagged`:
-        the image a tag names again (the tag takes its parent). The chain
-        holds names no image has now too: a child still names a removed
-        parent, and would name the image that takes the name next."""
-        if not parent:
-            return
-        name = self.key(name)
-        try:
-            base = self.get(parent, pull_hint=False)
-            chain = [base.name, *self.ancestors(base)[0]]
-        except ImageError:
-            chain = [self.key(parent)]
-        if name not in chain:
-            return
-        shown = " -> ".join(chain[:chain.index(name) + 1])
-        detail = {"image": name, "parent": chain[0], "chain": chain}
-        if tagged is not None:
-            raise ImageError("conflict", f"cannot tag {tagged!r} as {name!r}: {tagged!r} was made from {name!r} "
-                             f"(its parents: {shown}), and a tag keeps the image's parent, so {name!r} would "
-                             f"be its own ancestor; tag it under a name outside that chain", detail)
-        if chain[0] == name:
-            raise ImageError("conflict", f"image {name!r} cannot be made from {name!r} under that same name: it "
-                             f"would name itself as its parent; give the new image another name, or tag the "
-                             f"base under another name first (`dsec image tag {name} {name}-base`) and make the "
-                             f"new image from that", detail)
-        raise ImageError("conflict", f"image {name!r} cannot be made from {chain[0]!r}: {chain[0]!r} was made "
-                         f"from {name!r} (its parents: {shown}), so {name!r} would be its own ancestor; give "
-                         f"the new image a name outside that chain", detail)
+            if made_from is not None and above.manifest != made_from:
+                return chain, "replaced"
+            if above.name in seen:
+                return chain, "loop"
+            seen.add(above.name)
+            parent, made_from = above.parent, above.parent_manifest
+        return chain, "none"
 
     def _publish(self, name: str, manifest_digest: str, parent: str | None,
-                 source: dict | None = None, replace: bool = False, tagged: str | None = None,
-                 cancelled: threading.Event | None = None) -> tuple[Image, str | None]:
+                 source: dict | None = None, replace: bool = False,
+                 cancelled: threading.Event | None = None,
+                 parent_manifest: str | None = None) -> tuple[Image, str | None]:
         """Point `name` at a manifest. Without `replace` an existing name is
         `conflict`; with it (a pull moving a tag, a Dockerfile build) the name
         moves atomically (rename). Returns the image published, made from the
         ref written (not read back by name: on a shared store another host
         may have renamed its own over it, or be renaming it, by then), and
-        the manifest the name had before (None: it was new). A parent that
-        would make the name its own ancestor is refused (check_parent).
+        the manifest the name had before (None: it was new). `parent`, and
+        the manifest it named then (`parent_manifest`), say what the image
+        was made from: a name may be made from the image it replaces.
         `cancelled`, set by the time the ref is written, publishes nothing
         (`conflict`): looked at last, so a cancel that came while the
         manifest and ref were written is not missed."""
-        self.check_parent(name, parent, tagged)
         path = self._ref(name)
         tmp = self.store.temp_path(".ref")
         ref = {"manifest": manifest_digest, "created": time.time(), "parent": parent}
+        if parent and parent_manifest:
+            ref["parent_manifest"] = parent_manifest
         if source is not None:
             ref["source"] = source
         try:
@@ -474,7 +454,7 @@ class ImageStore:
                     raise ImageError("not_found", f"image {source!r} was removed meanwhile ({digest} is gone "
                                      "from the store)")
             tagged, before = self._publish(name, image.manifest, image.parent, image.source, replace=True,
-                                           tagged=image.name)
+                                           parent_manifest=image.parent_manifest)
         tagged.extra["replaced"] = before if before != image.manifest else None
         return tagged
 
@@ -595,12 +575,13 @@ class ImageStore:
             progress({"step": "layer", "digest": digest, "bytes": data, "new": added})
         return {"digest": digest, "size": size, "index": index}
 
-    def _commit(self, name: str, layers: list[dict], config: dict, parent: str | None,
+    def _commit(self, name: str, layers: list[dict], config: dict, parent: Image | None,
                 hold: Callable[[str], None], source: dict | None = None, replace: bool = False,
                 cancelled: threading.Event | None = None) -> Image:
         manifest = {"schema": 1, "layers": layers, "config": imageconfig.normalise(config)}
         digest = self.store.put_bytes(_canonical(manifest), hold)
-        return self._publish(name, digest, parent, source, replace, cancelled=cancelled)[0]
+        return self._publish(name, digest, parent.name if parent else None, source, replace, cancelled,
+                             parent.manifest if parent else None)[0]
 
     def commit_pulled(self, name: str, layers: list[dict], config: dict, source: dict,
                       hold: Callable[[str], None]) -> Image:
@@ -666,7 +647,6 @@ class ImageStore:
             raise ImageError("bad_request", f"build source must be an absolute path, got {src!r}")
         base = self.get(parent) if parent else None
         parent = base.name if base else None
-        self.check_parent(name, parent)       # before any work; _publish checks again
         with self.pinning() as hold:
             if base:
                 self._hold_existing(hold, base.layers)
@@ -685,7 +665,8 @@ class ImageStore:
                 raise ImageError("conflict", f"build of {name!r} cancelled: nothing published")
             digest = self.put_manifest(all_layers, imageconfig.normalise(imageconfig.stack(below, config or {})),
                                        hold)
-            image, before = self.publish(name, digest, parent, replace=True, cancelled=cancelled)
+            image, before = self.publish(name, digest, parent, replace=True, cancelled=cancelled,
+                                         parent_manifest=base.manifest if base else None)
             image.extra["replaced"] = before if before != digest else None
             return image
 
@@ -704,10 +685,9 @@ class ImageStore:
         if new_name and self.new_name(new_name) == image.name:     # --as NAME: NAME itself
             new_name = None
         if new_name:
-            target, parent, replace = self.name_free(new_name), image.name, False
+            target, parent, made_from, replace = self.name_free(new_name), image.name, image.manifest, False
         else:
-            target, parent, replace = image.name, image.parent, True
-        self.check_parent(target, parent)
+            target, parent, made_from, replace = image.name, image.parent, image.parent_manifest, True
         with self.pinning() as hold:
             hold(image.manifest)
             self._hold_existing(hold, image.layers)
@@ -737,7 +717,8 @@ class ImageStore:
                     raise ImageError("conflict", f"image {image.name!r} was changed while it was flattened "
                                      f"(it names manifest {now.manifest[:19]} now, not {image.manifest[:19]}): "
                                      "nothing published; flatten it again")
-            flat, before = self.publish(target, digest, parent, replace=replace, cancelled=cancelled)
+            flat, before = self.publish(target, digest, parent, replace=replace, cancelled=cancelled,
+                                        parent_manifest=made_from)
         flat.extra["replaced"] = before if before != digest else None
         flat.extra["flattened"] = {"manifest": image.manifest, "layers": len(image.layers)}
         return flat
@@ -801,7 +782,7 @@ class ImageStore:
                                      total=total)
             if cancelled is not None and cancelled.is_set():
                 raise ImageError("conflict", f"snapshot to {name!r} cancelled: nothing published")
-            return self._commit(name, base.layers + [layer], base.config, base.name, hold, cancelled=cancelled)
+            return self._commit(name, base.layers + [layer], base.config, base, hold, cancelled=cancelled)
 
     # ------------------------------------------------------------ Dockerfile builds
 
@@ -824,10 +805,13 @@ class ImageStore:
         return self.store.put_bytes(_canonical(manifest), hold)
 
     def publish(self, name: str, manifest: str, parent: str | None, replace: bool = False,
-                cancelled: threading.Event | None = None) -> tuple[Image, str | None]:
+                cancelled: threading.Event | None = None,
+                parent_manifest: str | None = None) -> tuple[Image, str | None]:
         """Name an image already in the store: (the image, the manifest the name
-        had before when `replace` moved it); nothing once `cancelled` is set."""
-        return self._publish(name, manifest, parent, replace=replace, cancelled=cancelled)
+        had before when `replace` moved it); nothing once `cancelled` is set.
+        `parent_manifest`: the manifest `parent` named when the image was made."""
+        return self._publish(name, manifest, parent, replace=replace, cancelled=cancelled,
+                             parent_manifest=parent_manifest)
 
     def cache_lookup(self, key: str, hold: Callable[[str], None]) -> Image | None:
         """The image a build step with this key made before, its blobs pinned;
