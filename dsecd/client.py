@@ -25,6 +25,7 @@ import inspect
 import io
 import itertools
 import logging
+import math
 import os
 import posixpath
 import secrets
@@ -1932,17 +1933,53 @@ class Process:
         comes, until it exited and its output drained; since: only chunks
         read at or after this time (seconds since the epoch). A loop that
         reads slower than the process writes loses what comes while it is
-        FOLLOWED_OUTPUT_BYTES behind: a ProcOutput with `dropped` counts it."""
+        FOLLOWED_OUTPUT_BYTES behind: a ProcOutput with `dropped` counts it.
+
+        The process outlives a daemon restart, and so does this loop: on a
+        client that reconnects (the default), a lost connection is followed
+        again on the next one from where it was. Nothing comes twice; what
+        the daemon that went had read and not sent is gone with it (a
+        container's ring is the daemon's), and comes as a ProcOutput with
+        `dropped` (its count, after a clean stop) or `lost_before` (after
+        one that died: uncounted, perhaps nothing). A microVM's agent keeps
+        its ring, so nothing of it is lost. Where the client does not
+        reconnect, or the next daemon does not answer, ConnectionLost says
+        that the process runs on and how to follow it again."""
+        client = self.sb.client
         args = self._args(follow=follow, **({"since": since} if since is not None else {}))
-        async with contextlib.aclosing(self.sb.client.frames("proc_logs", **args)) as frames:
-            async for frame in frames:
-                if "__result__" in frame:
-                    return
-                if "dropped" in frame:
-                    if frame["dropped"] or frame.get("lost_before") is not None:
-                        yield ProcOutput(0, b"", 0.0, frame["dropped"], frame.get("lost_before"))
-                    continue
-                yield ProcOutput(frame["fd"], frame["data"], frame["time"])
+        follower = _Follower(since is None)
+        answered = True         # the last attach got the daemon's first frame
+        while True:
+            follower.attach()
+            try:
+                async with contextlib.aclosing(client.frames("proc_logs", **args)) as frames:
+                    async for frame in frames:
+                        answered = True
+                        if "__result__" in frame:
+                            return
+                        for chunk in follower.take(frame):
+                            yield chunk
+                return
+            except ConnectionLost as err:
+                again = answered and getattr(client, "reconnect", False) and not getattr(client, "_closed", True)
+                if not again:
+                    raise self._runs_on(err, follower) from None
+                answered = False
+                args = self._args(follow=follow, **follower.resume_args(since))
+
+    def _runs_on(self, err: ConnectionLost, follower: _Follower) -> ConnectionLost:
+        """The error that ends output() on a lost connection it does not
+        follow again: the process runs on, and how to follow it."""
+        text = (f"{err}; process {self.pid} in sandbox {self.sb.id} runs on (a lost connection or a daemon "
+                "restart does not end it)")
+        if getattr(self.sb.client, "lost_advice", None) is None:       # else its owner's advice says what to do
+            # Just past the last chunk given: what the daemon read after it
+            # (and a count of what went with a daemon since, none of it given).
+            at = (f"since={math.nextafter(follower.last_time, math.inf)!r}" if follower.last_time is not None
+                  else "")
+            text += (f": follow it again with sb.process({self.pid}).output({at})"
+                     + (", from just past the last chunk it gave" if at else ""))
+        return ConnectionLost(text, target=err.target, op="proc_logs", sent=err.sent)
 
     async def write(self, data: bytes) -> None:
         """Input for its stdin (waits while it does not read)."""
@@ -1955,6 +1992,78 @@ class Process:
         """Signal its process group: a number or a name ("TERM", "SIGINT")."""
         sig = int(signal) if not isinstance(signal, str) else signal
         return await self.sb.client.request("proc_kill", **self._args(signal=sig))
+
+
+class _Follower:
+    """Where Process.output() is in a process's output, to follow it again
+    on a new connection from there.
+
+    `offset` is where the next byte is in the daemon's count of every byte
+    the process wrote (the first frame's `dropped` is the offset of its
+    first chunk, and each chunk or later `dropped` moves it on); None where
+    a `since` passed over chunks uncounted. Known, it is followed again
+    from the daemon's whole ring, passing over what came already: a
+    microVM's ring (and one the same daemon still holds) has it all again,
+    and the next daemon of a container counts on from what the one before
+    read, so a first chunk past `offset` tells exactly what went with that
+    daemon. Unknown, it asks for what was read after the last chunk that
+    came. A daemon that died and left no count (`lost_before` after the
+    last chunk) numbers its bytes from 0: all it holds is new."""
+
+    def __init__(self, counted: bool):
+        self.offset: int | None = 0 if counted else None
+        self.last_time: float | None = None
+        self.again = False            # this attach follows again after a loss
+        self.first = True             # its first frame is next
+        self.cursor = 0               # the offset of its next chunk, in its daemon's count
+
+    def attach(self) -> None:
+        self.first = True
+
+    def resume_args(self, since: float | None) -> dict:
+        """proc_logs' `since` for the next attach."""
+        self.again = True
+        if self.offset is not None:
+            return {}
+        if self.last_time is None:
+            return {} if since is None else {"since": since}
+        return {"since": math.nextafter(self.last_time, math.inf)}
+
+    def take(self, frame: dict) -> list[ProcOutput]:
+        """What a stream frame of proc_logs gives the caller."""
+        if "dropped" in frame:
+            dropped, gap = frame["dropped"], frame.get("lost_before")
+            first, self.first = self.first, False
+            if not first:
+                # Lost on the way (a follower too slow): counted past what came already.
+                before, self.cursor = self.cursor, self.cursor + dropped
+                if self.offset is not None:
+                    dropped = max(0, self.cursor - max(self.offset, before))
+            elif not self.again:
+                self.cursor = dropped
+            elif gap is not None and (self.last_time is None or gap > self.last_time):
+                # A daemon that died since: it counts from 0, and all it holds is new.
+                self.cursor = dropped
+                if self.offset is not None:
+                    self.offset = dropped
+                return [ProcOutput(0, b"", 0.0, dropped, gap)]
+            else:
+                self.cursor = dropped
+                gap = None                        # the follower was told before, or it is older
+                if self.offset is not None:
+                    dropped = max(0, dropped - self.offset)
+            if self.offset is not None:
+                self.offset = max(self.offset, self.cursor)
+            return [ProcOutput(0, b"", 0.0, dropped, gap)] if dropped or gap is not None else []
+        data, at = frame["data"], self.cursor
+        self.cursor += len(data)
+        if self.offset is not None:
+            if self.cursor <= self.offset:
+                return []                       # it came before the loss
+            data = data[max(0, self.offset - at):]
+            self.offset = self.cursor
+        self.last_time = frame["time"]
+        return [ProcOutput(frame["fd"], data, frame["time"])]
 
 
 async def _cancel(client, rid: int) -> None:

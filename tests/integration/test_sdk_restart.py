@@ -151,3 +151,42 @@ def test_a_keyed_create_the_daemon_had_when_it_died_is_sent_again(restartable):
     made, lost, listed = asyncio.run(go())
     assert isinstance(made, dsecd.Sandbox) and [s["id"] for s in listed] == [made.id]
     assert isinstance(lost, ConnectionLost) and lost.sent and "may have been carried out" in str(lost)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill9"])
+def test_a_followed_process_is_followed_on_across_a_daemon_restart(restartable, sig):
+    """The process runs on across the restart, and so does Process.output():
+    it follows it again on the next daemon, with every line once and in
+    order. It had ended with ConnectionLost as if the output had."""
+    d = restartable
+
+    async def go():
+        async with dsecd.Client(d.socket) as c:
+            sb = await c.create(image="busybox")
+            proc = await sb.spawn("for i in 1 2 3; do echo $i; done; "
+                                  "while [ ! -e /tmp/go ]; do sleep 0.05; done; for i in 4 5 6; do echo $i; done")
+            got: list = []
+            three = asyncio.Event()
+
+            async def follow():
+                async for chunk in proc.output():
+                    got.append(chunk)
+                    if b"3\n" in b"".join(ch.data for ch in got):
+                        three.set()
+
+            following = asyncio.create_task(follow())
+            await asyncio.wait_for(three.wait(), 30)
+            await asyncio.to_thread(d.stop, sig)
+            await asyncio.to_thread(d.start)
+            async with dsecd.Client(d.socket) as other:
+                await (await other.get(sb.id)).write_file("/tmp/go", b"")
+            await asyncio.wait_for(following, 60)
+            return got, await proc.wait()
+
+    got, status = asyncio.run(go())
+    assert b"".join(ch.data for ch in got) == b"1\n2\n3\n4\n5\n6\n"
+    # Nothing the old daemon read was left unsent; one that died says it may have been.
+    notices = [ch for ch in got if ch.fd == 0]
+    assert all(not ch.dropped for ch in notices)
+    assert (sig == signal.SIGKILL) == any(ch.lost_before for ch in notices), notices
+    assert (status.state, status.exit_code) == ("exited", 0)

@@ -1,0 +1,145 @@
+"""Process.output() across a lost connection (a daemon restart: the
+process runs on), against stand-in daemons on a unix socket: each
+connection's proc_logs answered from a script, the first one cut short."""
+
+from __future__ import annotations
+
+import asyncio
+
+from standin_kit import serving
+
+from dsecd import ConnectionLost, protocol
+from dsecd.client import Client, Process, ProcOutput, Sandbox
+
+
+def _chunk(data: bytes, at: float) -> dict:
+    return {"fd": 1, "data": data, "time": at}
+
+
+def _follow_across(tmp_path, lives: list[list[dict]], since: float | None = None,
+                   reconnect: bool = True) -> tuple[list, list[dict]]:
+    """Follow pid 3's output while each of `lives` (the stream frames one
+    connection's proc_logs gets) is served in turn: every one but the last
+    ends with the connection cut, the last with the process's end. Returns
+    what output() gave (its ProcOutputs, then the error that ended it, if
+    any) and the args of each proc_logs the daemons got."""
+    sock_path = str(tmp_path / "d.sock")
+    asked: list[dict] = []
+
+    async def answer(f: dict, writer) -> bool:
+        if f["op"] != "proc_logs":
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+            return False
+        asked.append(f["args"])
+        life = lives[len(asked) - 1]
+        for stream in life:
+            writer.write(protocol.encode_frame({"id": f["id"], "stream": stream}))
+        if len(asked) < len(lives):
+            await writer.drain()
+            writer.transport.abort()           # the daemon goes (the process runs on)
+            return True
+        writer.write(protocol.encode_frame({"id": f["id"], "result": {"pid": 3, "state": "exited"}}))
+        return False
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(answer), sock_path)
+        got: list = []
+        async with server:
+            async with Client(sock_path, reconnect=reconnect) as c:
+                try:
+                    async for chunk in Process(Sandbox(c, "sb", {}), 3).output(since=since):
+                        got.append(chunk)
+                except ConnectionLost as err:
+                    got.append(err)
+        return got
+
+    return asyncio.run(asyncio.wait_for(go(), 30)), asked
+
+
+def test_a_follower_goes_on_after_a_clean_restart_with_nothing_lost_or_repeated(tmp_path):
+    """A container's process after a clean restart: the next daemon's ring
+    starts where the old one had read to (its first frame's `dropped`), and
+    what it reads is new. The follower had failed with ConnectionLost as if
+    the process's output had ended."""
+    got, asked = _follow_across(tmp_path, [
+        [{"dropped": 0}, _chunk(b"one\n", 1.0), _chunk(b"two\n", 2.0)],
+        [{"dropped": 8}, _chunk(b"three\n", 3.0)],
+    ])
+    assert got == [ProcOutput(1, b"one\n", 1.0), ProcOutput(1, b"two\n", 2.0), ProcOutput(1, b"three\n", 3.0)]
+    assert len(asked) == 2 and asked[1]["follow"] is True
+
+
+def test_a_follower_is_told_what_the_old_daemon_read_and_never_sent(tmp_path):
+    """The old daemon had read 4 bytes more than reached the follower: they
+    went with it, counted as dropped, not as the whole output before."""
+    got, _ = _follow_across(tmp_path, [
+        [{"dropped": 0}, _chunk(b"one\n", 1.0)],
+        [{"dropped": 8}, _chunk(b"three\n", 3.0)],
+    ])
+    assert got == [ProcOutput(1, b"one\n", 1.0), ProcOutput(0, b"", 0.0, 4), ProcOutput(1, b"three\n", 3.0)]
+
+
+def test_a_follower_of_a_ring_that_outlived_the_connection_gets_no_chunk_twice(tmp_path):
+    """A microVM's ring (its agent keeps it across a restart), or the same
+    daemon reached again: what came before the loss comes again from the
+    ring, and is passed over, part of a chunk too."""
+    got, _ = _follow_across(tmp_path, [
+        [{"dropped": 2}, _chunk(b"one\n", 1.0), _chunk(b"two\n", 2.0)],
+        [{"dropped": 3}, _chunk(b"ne\ntwo\n", 1.0), _chunk(b"three\n", 3.0)],
+    ])
+    assert got == [ProcOutput(0, b"", 0.0, 2), ProcOutput(1, b"one\n", 1.0), ProcOutput(1, b"two\n", 2.0),
+                   ProcOutput(1, b"three\n", 3.0)]
+
+
+def test_a_follower_is_told_only_of_what_it_lost_itself_from_a_ring_it_reads_again(tmp_path):
+    """Bytes the ring's second reading dropped on the way (a follower too
+    slow) that had come before the loss are no loss."""
+    got, _ = _follow_across(tmp_path, [
+        [{"dropped": 2}, _chunk(b"one\n", 1.0), _chunk(b"two\n", 2.0)],
+        [{"dropped": 3}, {"dropped": 5}, _chunk(b"o\n", 2.0), _chunk(b"three\n", 3.0), {"dropped": 4},
+         _chunk(b"five\n", 5.0)],
+    ])
+    assert got == [ProcOutput(0, b"", 0.0, 2), ProcOutput(1, b"one\n", 1.0), ProcOutput(1, b"two\n", 2.0),
+                   ProcOutput(1, b"three\n", 3.0), ProcOutput(0, b"", 0.0, 4), ProcOutput(1, b"five\n", 5.0)]
+
+
+def test_a_follower_after_a_daemon_that_died_is_told_of_the_uncounted_loss(tmp_path):
+    """A daemon that died took what it had read without a count: the next
+    one says so (`lost_before`), and everything in its ring is new."""
+    got, _ = _follow_across(tmp_path, [
+        [{"dropped": 0}, _chunk(b"one\n", 1.0), _chunk(b"two\n", 2.0)],
+        [{"dropped": 0, "lost_before": 2.5}, _chunk(b"three\n", 3.0)],
+    ])
+    assert got == [ProcOutput(1, b"one\n", 1.0), ProcOutput(1, b"two\n", 2.0),
+                   ProcOutput(0, b"", 0.0, 0, 2.5), ProcOutput(1, b"three\n", 3.0)]
+
+
+def test_a_follower_since_a_time_asks_again_just_past_its_last_chunk(tmp_path):
+    """With `since` the offsets of what came are not known: the follower
+    asks again for what was read after its last chunk."""
+    got, asked = _follow_across(tmp_path, [
+        [{"dropped": 0}, _chunk(b"two\n", 2.0)],
+        [{"dropped": 0}, _chunk(b"three\n", 3.0)],
+    ], since=1.5)
+    assert got == [ProcOutput(1, b"two\n", 2.0), ProcOutput(1, b"three\n", 3.0)]
+    assert asked[0]["since"] == 1.5 and 2.0 < asked[1]["since"] < 2.001
+
+
+def test_a_follower_whose_client_does_not_reconnect_says_the_process_runs_on(tmp_path):
+    got, asked = _follow_across(tmp_path, [
+        [{"dropped": 0}, _chunk(b"one\n", 1.0)],
+        [{"dropped": 0}],
+    ], reconnect=False)
+    assert got[0] == ProcOutput(1, b"one\n", 1.0) and len(asked) == 1
+    err = got[1]
+    assert isinstance(err, ConnectionLost) and err.op == "proc_logs"
+    said = str(err)
+    assert "process 3 in sandbox sb runs on" in said and ".output(since=1.0000000000000002)" in said, said
+
+
+def test_a_follower_lost_again_before_the_daemon_answered_gives_up(tmp_path):
+    """A connection lost again before the next daemon answered the follow
+    (one that fails on it) ends it with the error, not a loop."""
+    got, asked = _follow_across(tmp_path, [[{"dropped": 0}, _chunk(b"one\n", 1.0)], [], [{"dropped": 0}]])
+    assert got[0] == ProcOutput(1, b"one\n", 1.0) and len(asked) == 2
+    assert isinstance(got[1], ConnectionLost) and "runs on" in str(got[1])
