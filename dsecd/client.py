@@ -100,7 +100,7 @@ FOLLOWS_ONLY = ("proc_logs", "events", "file_watch", "file_tar_get")
 # A lost connection is made again at the next request (reconnect=True):
 # while the daemon does not answer (a restart: no socket, or refused), tries
 # this far apart at first, doubled after each failure up to the max, for
-# connect_timeout at most.
+# the Client's reconnect_timeout at most.
 RECONNECT_GAP_S = 0.05
 RECONNECT_GAP_MAX_S = 1.0
 # How soon Client.hold renews again after a renew found the connection gone.
@@ -615,13 +615,22 @@ class Client:
     A lost connection fails the requests in flight with errors.ConnectionLost.
     With `reconnect` (the default: a daemon restart, which leaves the
     sandboxes running, or a network over ssh:// drops a connection), the
-    next request connects again first, waiting up to connect_timeout for
+    next request connects again first, waiting up to reconnect_timeout for
     the daemon to answer, and the requests that were still queued in this
     client (never sent) go on the new connection; otherwise every later
-    request fails with ConnectionLost too, until connect() is called again."""
+    request fails with ConnectionLost too, until connect() is called again.
+
+    Two timeouts: `connect_timeout` bounds one connect, the socket (ssh's
+    connect and login over ssh://) and the daemon's hello, so that a daemon
+    that is wedged fails a client instead of hanging it; `reconnect_timeout`
+    bounds how long requests wait, after a lost connection, for the daemon
+    to answer again (a restart under systemd), trying to connect again and
+    again meanwhile. Not given, it is connect_timeout (as the one timeout
+    of older versions was both)."""
 
     def __init__(self, target: str | None = None, name: str = "dsecd-sdk", connect_timeout: float = 30.0,
-                 *, ssh: remote.SshOptions | None = None, reconnect: bool | None = None):
+                 *, ssh: remote.SshOptions | None = None, reconnect: bool | None = None,
+                 reconnect_timeout: float | None = None):
         target = target or default_socket()
         self.remote = remote.is_remote(target)
         if self.remote:
@@ -635,6 +644,7 @@ class Client:
         # How long connect() waits for the daemon's hello: a socket someone
         # holds open but nobody serves (a wedged daemon) must not hang a client.
         self.connect_timeout = connect_timeout
+        self._reconnect_timeout = reconnect_timeout
         self.reconnect = True if reconnect is None else reconnect
         # Called with a reason as soon as a connection is lost (not when this
         # client closes it); dsecd.Fleet marks the host down from it.
@@ -664,6 +674,16 @@ class Client:
 
     def __repr__(self) -> str:
         return f"<Client {self.target}>"
+
+    @property
+    def reconnect_timeout(self) -> float:
+        """How long requests wait for a daemon that went to answer again
+        (connect_timeout unless given)."""
+        return self.connect_timeout if self._reconnect_timeout is None else self._reconnect_timeout
+
+    @reconnect_timeout.setter
+    def reconnect_timeout(self, seconds: float | None) -> None:
+        self._reconnect_timeout = seconds
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -925,7 +945,7 @@ class Client:
     async def _connection(self, op: str, deadline: float | None = None, sent: bool = False) -> _Conn:
         """The live connection; after a loss, a new one if `reconnect`,
         waiting for the daemon to answer again until `deadline` (loop time;
-        default: connect_timeout from now). `sent`: the request was sent on
+        default: reconnect_timeout from now). `sent`: the request was sent on
         a connection lost since (it is to go again), for the error."""
         conn = self._conn
         if conn is not None and conn.pid != os.getpid():
@@ -956,7 +976,7 @@ class Client:
             raise self._lost_error(conn.lost, op, sent=sent)
         loop = asyncio.get_running_loop()
         if deadline is None:
-            deadline = loop.time() + self.connect_timeout
+            deadline = loop.time() + self.reconnect_timeout
         try:
             async with asyncio.timeout_at(deadline), self._reconnecting:
                 # One request at a time tries; the others wait here for its
@@ -982,7 +1002,7 @@ class Client:
             why = f" (last: {self._reconnect_error})" if self._reconnect_error is not None else ""
             raise ConnectionLost(
                 f"{op} on {self.target}: connection lost: {conn.lost}; the daemon did not answer again within "
-                f"{self.connect_timeout:g} s (the Client's connect_timeout){why}"
+                f"{self.reconnect_timeout:g} s (the Client's reconnect_timeout){why}"
                 + _sent_or_not(op, sent),
                 target=self.target, op=op, sent=sent) from None
         conn = self._conn
@@ -1031,7 +1051,7 @@ class Client:
         # A request that never left this client (it waited for a slot, or
         # was refused for the in-flight limit, when its connection was lost)
         # never reached the daemon: it goes on the next connection, once the
-        # daemon answers again (connect_timeout from its first loss at most).
+        # daemon answers again (reconnect_timeout from its first loss at most).
         # One that was written may have run and is not sent again, unless
         # sending it again is safe and nothing of its answer had come: one
         # that changes nothing (CHANGES_NOTHING), or a create with an
@@ -1062,7 +1082,7 @@ class Client:
                     raise
                 resent = True
             if deadline is None:
-                deadline = asyncio.get_running_loop().time() + self.connect_timeout
+                deadline = asyncio.get_running_loop().time() + self.reconnect_timeout
 
     @contextlib.asynccontextmanager
     async def _slots_held(self, conn: _Conn, op: str, args: dict) -> AsyncIterator[None]:

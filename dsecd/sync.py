@@ -562,9 +562,12 @@ class _Client(Client):
 
 class SyncClient(_LoopThread):
     def __init__(self, target: str | None = None, name: str = "dsecd-sync", connect_timeout: float = 30.0,
-                 *, ssh: SshOptions | None = None, reconnect: bool | None = None):
-        """target: a socket path or ssh://[user@]host[:port], as Client's."""
-        self._client = _Client(target, name, connect_timeout, ssh=ssh, reconnect=reconnect)
+                 *, ssh: SshOptions | None = None, reconnect: bool | None = None,
+                 reconnect_timeout: float | None = None):
+        """target: a socket path or ssh://[user@]host[:port], as Client's;
+        connect_timeout and reconnect_timeout as Client's."""
+        self._client = _Client(target, name, connect_timeout, ssh=ssh, reconnect=reconnect,
+                               reconnect_timeout=reconnect_timeout)
         self._holds: set[asyncio.Task] = set()       # hold()'s tasks still renewing (touched on the loop only)
         super().__init__()
 
@@ -589,6 +592,15 @@ class SyncClient(_LoopThread):
     @property
     def connected(self) -> bool:
         return self._client.connected
+
+    @property
+    def reconnect_timeout(self) -> float:
+        """How long requests wait for a daemon that went to answer again (Client's)."""
+        return self._client.reconnect_timeout
+
+    @reconnect_timeout.setter
+    def reconnect_timeout(self, seconds: float | None) -> None:
+        self._client.reconnect_timeout = seconds
 
     def connect(self) -> None:
         self._run(self._client.connect())

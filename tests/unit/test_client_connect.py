@@ -636,3 +636,47 @@ def test_a_write_to_an_exec_that_was_never_sent_raises_instead_of_waiting(tmp_pa
 
     err = asyncio.run(go())
     assert isinstance(err, ConnectionLost) and not err.sent and "was never sent, so it did not run" in str(err)
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_the_wait_for_a_restarted_daemon_has_a_timeout_of_its_own(tmp_path, sync):
+    """connect_timeout bounds one connect (the socket and the daemon's hello);
+    reconnect_timeout how long requests wait for a daemon that went to
+    answer again (a restart), which may well be longer. Without it, that
+    wait is connect_timeout, as it was."""
+    from dsecd import ConnectionLost, SyncClient
+
+    path = str(tmp_path / "d.sock")
+    servers = []
+    daemon = _stand_in(path, servers, [], {"limits": {}}, goes_after=1, answer=lambda f: {})
+
+    async def serve():
+        servers.append(await asyncio.start_unix_server(daemon, path))
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(serve())
+        if sync:
+            import threading
+            thread = threading.Thread(target=loop.run_forever, daemon=True)
+            thread.start()
+            try:
+                c = SyncClient(path, connect_timeout=20, reconnect_timeout=0.3)
+                with c, pytest.raises(ConnectionLost) as e:
+                    c.info()
+            finally:
+                loop.call_soon_threadsafe(loop.stop)
+                thread.join()
+        else:
+            async def go():
+                async with Client(path, connect_timeout=20, reconnect_timeout=0.3) as c:
+                    assert (c.connect_timeout, c.reconnect_timeout) == (20, 0.3)
+                    assert Client(path, connect_timeout=7).reconnect_timeout == 7
+                    with pytest.raises(ConnectionLost) as e:
+                        await c.info()
+                    return e
+            e = loop.run_until_complete(go())
+    finally:
+        loop.close()
+    said = str(e.value)
+    assert "did not answer again within 0.3 s (the Client's reconnect_timeout)" in said, said
