@@ -1634,10 +1634,8 @@ class _SandboxContext:
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         if self.sandbox is not None:
-            # Shielded: a cancel is one way to get here, and the sandbox must go all the same.
-            destroy = asyncio.ensure_future(self.sandbox.destroy(force=True))
             try:
-                await asyncio.shield(destroy)
+                await _destroy_on_the_way_out(self.sandbox)
             except NotFound:
                 pass                        # destroyed inside the block already
             except (DsecError, ConnectionError) as err:
@@ -1650,10 +1648,39 @@ class _SandboxContext:
 
 
 def _left_behind(sb, err: BaseException) -> None:
-    """Say that the destroy of `sb`, on the way out of a sandbox() block that
-    ended by an error of its own, failed with `err`: that error is raised."""
+    """Say that the destroy of `sb`, on the way out of a sandbox() block (or
+    a run) that ended by an error of its own, failed with `err`: that error
+    is raised, or nobody is left to raise it to."""
     log.warning("sandbox %s on %s was not destroyed as its block ended (%s); remove it with "
                 "`dsec rm --force %s`", sb.id, sb.host, err, sb.id)
+
+
+async def _destroy_on_the_way_out(sb) -> dict:
+    """sb.destroy(force=True) for a block or a run that ends, however it
+    ends. Shielded: a cancel is one way to get here, and the sandbox must
+    go all the same. A second cancel ends the caller's wait, not the
+    destroy: it goes on as one of its client's undos (close() waits for
+    them), and its failure is logged then, as nobody is left to raise it
+    to. Its own failure is raised to a caller that waits."""
+    destroy = asyncio.ensure_future(sb.destroy(force=True))
+    undoing = getattr(sb.client, "_undoing", None)
+    if undoing is not None:
+        undoing.add(destroy)
+        destroy.add_done_callback(undoing.discard)
+    try:
+        return await asyncio.shield(destroy)
+    except asyncio.CancelledError:
+        destroy.add_done_callback(lambda fut: _unheard_destroy(sb, fut))
+        raise
+
+
+def _unheard_destroy(sb, fut: asyncio.Future) -> None:
+    """The end of a destroy whose caller stopped waiting for it: a failure
+    said (and retrieved), as nobody else will see it."""
+    if fut.cancelled():
+        _left_behind(sb, asyncio.CancelledError("its destroy was cancelled (the event loop ended?)"))
+    elif (err := fut.exception()) is not None and not isinstance(err, NotFound):
+        _left_behind(sb, err)
 
 
 def _run_args(args: list[str] | None) -> list[str] | None:
@@ -1684,10 +1711,12 @@ async def run_detached(client, image: str, args: list[str] | None = None,
     try:
         return await sb.spawn(argv)
     except BaseException:
-        # Shielded: a cancel is one way to get here, and the sandbox must go all the same.
-        destroy = asyncio.ensure_future(sb.destroy(force=True))
-        with contextlib.suppress(asyncio.CancelledError, DsecError, ConnectionError):
-            await asyncio.shield(destroy)
+        try:
+            await _destroy_on_the_way_out(sb)
+        except NotFound:
+            pass
+        except (DsecError, ConnectionError) as err:
+            _left_behind(sb, err)           # the spawn's error is the one raised
         raise
 
 
@@ -1750,15 +1779,15 @@ class RunStream:
                 await self._hold
         if not self.remove or self.sandbox is None:
             return
-        # Shielded: a cancel (Ctrl-C in `dsec run`) is what often brings us here.
-        destroy = asyncio.ensure_future(self.sandbox.destroy(force=True))
+        # A cancel (Ctrl-C in `dsec run`) is what often brings us here.
         try:
-            await asyncio.shield(destroy)
+            await _destroy_on_the_way_out(self.sandbox)
         except NotFound:
             pass                                   # gone already (its lease ran out, or removed by hand)
-        except (DsecError, ConnectionError):
+        except (DsecError, ConnectionError) as err:
             if not failing:                        # else the error that brought us here is the one to see
                 raise
+            _left_behind(self.sandbox, err)
 
 
 class ExecStream:

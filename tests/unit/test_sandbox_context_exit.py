@@ -68,3 +68,72 @@ def test_the_blocks_own_error_is_the_one_raised(tmp_path, caplog):
         thread.join()
         loop.close()
     assert "dsec rm --force sb1" in caplog.text
+
+
+@pytest.mark.parametrize("answer", ["ok", "fails"])
+def test_a_destroy_whose_caller_is_cancelled_twice_is_neither_lost_nor_unheard(tmp_path, caplog, answer):
+    """The first cancel ends the block and starts the (shielded) destroy;
+    a second one ends the wait for it. The destroy went on unseen: a
+    failure of it was never retrieved, and the client's close right after
+    cut it off. The close now waits for it, and its failure is logged."""
+    sock_path = str(tmp_path / "d.sock")
+    order: list[str] = []
+    destroying = asyncio.Event()
+    release = asyncio.Event()
+
+    async def handle(reader, writer):
+        dec = protocol.FrameDecoder(1 << 20)
+
+        async def answer_destroy(f):
+            await release.wait()
+            if answer == "ok":
+                writer.write(protocol.encode_frame({"id": f["id"], "result": {"id": "sb1"}}))
+            else:
+                writer.write(protocol.encode_frame({"id": f["id"], "error": {
+                    "code": "internal", "message": "destroy sb1: the cgroup is busy", "detail": {}}}))
+            order.append("answered")
+
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] == "hello":
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"limits": {}}}))
+                elif f["op"] == "create":
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": {"id": "sb1", "state": "running"}}))
+                elif f["op"] == "destroy":
+                    destroying.set()
+                    asyncio.ensure_future(answer_destroy(f))
+        order.append("closed")
+
+    async def go():
+        server = await asyncio.start_unix_server(handle, sock_path)
+        async with server:
+            async with Client(sock_path) as c:
+                made = asyncio.Event()
+
+                async def block():
+                    async with c.sandbox("busybox"):
+                        made.set()
+                        await asyncio.sleep(30)
+
+                task = asyncio.create_task(block())
+                await made.wait()
+                task.cancel()
+                await destroying.wait()
+                task.cancel()                   # the caller gives up on the destroy too
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                closing = asyncio.create_task(c.close())
+                await asyncio.sleep(0.1)
+                release.set()
+                await closing
+            while "closed" not in order:
+                await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.WARNING, logger="dsecd.client"):
+        asyncio.run(go())
+    assert order == ["answered", "closed"]          # the destroy was answered before the client left
+    if answer == "fails":
+        assert "the cgroup is busy" in caplog.text and "dsec rm --force sb1" in caplog.text, caplog.text
+        assert caplog.text.count("dsec rm --force sb1") == 1
+    else:
+        assert "sb1" not in caplog.text
