@@ -97,6 +97,10 @@ CHANGES_NOTHING = ("ping", "info", "image_du", "image_list", "image_inspect", "p
                    "inspect", "proc_list", "proc_wait", "file_read", "file_list", "file_stat", "net_show",
                    "net_sets", "pool_list")
 FOLLOWS_ONLY = ("proc_logs", "events", "file_watch", "file_tar_get")
+# Requests that change something, but whose second run changes nothing more
+# (the daemon's pause of a paused sandbox, resume of a running one): sent
+# again, once, as those that only read are, the sandbox ends as asked.
+IDEMPOTENT = ("pause", "resume")
 # A lost connection is made again at the next request (reconnect=True):
 # while the daemon does not answer (a restart: no socket, or refused), tries
 # this far apart at first, doubled after each failure up to the max, for
@@ -403,6 +407,8 @@ def lost_after_sending(op: str) -> str:
         return "; the create may have been carried out (sent again with the same idempotency key, it is safe)"
     if op in CHANGES_NOTHING or op in FOLLOWS_ONLY:
         return "; it changes nothing, so it is safe to send again"
+    if op in IDEMPOTENT:
+        return "; it may have been carried out, and is safe to send again (done twice, it is done once)"
     return "; the request may have been carried out"
 
 
@@ -1056,9 +1062,9 @@ class Client:
         # sending it again is safe and nothing of its answer had come: one
         # that changes nothing (CHANGES_NOTHING), or a create with an
         # idempotency key (the daemon journals the key: the create it made
-        # before the loss, if any, is the answer). Once: lost again, the
-        # daemon may be failing on it.
-        again_safe = op in CHANGES_NOTHING or (op == "create" and bool(args.get("key")))
+        # before the loss, if any, is the answer), or a pause or resume
+        # (IDEMPOTENT). Once: lost again, the daemon may be failing on it.
+        again_safe = op in CHANGES_NOTHING or op in IDEMPOTENT or (op == "create" and bool(args.get("key")))
         deadline = None
         resent = False
         while True:

@@ -680,3 +680,19 @@ def test_the_wait_for_a_restarted_daemon_has_a_timeout_of_its_own(tmp_path, sync
         loop.close()
     said = str(e.value)
     assert "did not answer again within 0.3 s (the Client's reconnect_timeout)" in said, said
+
+
+@pytest.mark.parametrize("op", ["pause", "resume"])
+def test_a_pause_or_resume_lost_in_a_restart_is_sent_again(tmp_path, op):
+    """Both are idempotent (the daemon's pause of a paused sandbox, resume
+    of a running one, does nothing): sent again, the sandbox ends as the
+    caller asked, instead of a ConnectionLost saying it may have been."""
+    def send(c):
+        from dsecd.client import Sandbox
+        sb = Sandbox(c, "sb1", {})
+        return [asyncio.create_task(getattr(sb, op)()),
+                asyncio.create_task(c.request("proc_kill", sandbox="sb1", pid=2, signal="TERM"))]
+
+    (done, _killed), got = _two_requests_across_a_restart(str(tmp_path / "d.sock"), send,
+                                                          {"id": "sb1", "state": "paused"})
+    assert done == {"id": "sb1", "state": "paused"} and (2, op) in [(nth, f["op"]) for nth, f in got]
