@@ -2016,8 +2016,7 @@ class Process:
                             yield chunk
                 return
             except ConnectionLost as err:
-                again = answered and getattr(client, "reconnect", False) and not getattr(client, "_closed", True)
-                if not again:
+                if not (answered and _reconnects(client)):
                     raise self._runs_on(err, follower) from None
                 answered = False
                 args = self._args(follow=follow, **follower.resume_args(since))
@@ -2119,6 +2118,12 @@ class _Follower:
             self.offset = self.cursor
         self.last_time = frame["time"]
         return [ProcOutput(frame["fd"], data, frame["time"])]
+
+
+def _reconnects(client) -> bool:
+    """Whether `client` connects again after a loss (a Client made with
+    reconnect, not closed): a request it lost may go again on it."""
+    return bool(getattr(client, "reconnect", False)) and not getattr(client, "_closed", True)
 
 
 async def _cancel(client, rid: int) -> None:
@@ -2598,7 +2603,9 @@ class Sandbox:
         followed; FIFOs, sockets, devices and kernel filesystems are left out
         and listed in the result's `skipped`. Every entry is checked again
         here, extracted beside `local` and renamed into place at the end;
-        a failed or cancelled copy leaves nothing there once it returns.
+        a failed or cancelled copy leaves nothing there once it returns. A
+        connection lost under it (a daemon restart) has it copied again from
+        the start on the next connection, once.
         Result: path, count (entries), bytes, skipped."""
         local = os.path.abspath(local)
         if os.path.lexists(local):
@@ -2610,12 +2617,23 @@ class Sandbox:
         with tempfile.TemporaryFile(dir=os.path.dirname(local)) as spool:
             result = None
             args = {"sandbox": self.id, "path": remote}
-            async with contextlib.aclosing(self.client.frames("file_tar_get", **args)) as frames:
-                async for frame in frames:
-                    if "__result__" in frame:
-                        result = frame["__result__"]
-                    else:
-                        spool.write(frame["data"])
+            for again in (False, True):
+                try:
+                    async with contextlib.aclosing(self.client.frames("file_tar_get", **args)) as frames:
+                        async for frame in frames:
+                            if "__result__" in frame:
+                                result = frame["__result__"]
+                            else:
+                                spool.write(frame["data"])
+                    break
+                except ConnectionLost:
+                    # Nothing of it has left the spool, and it changes nothing
+                    # in the sandbox: on a client that reconnects (a daemon
+                    # restart), it goes again once, from the start.
+                    if again or not _reconnects(self.client):
+                        raise
+                    spool.seek(0)
+                    spool.truncate()
             if result is None:
                 raise ConnectionError("file_tar_get: no final frame")
             spool.seek(0)

@@ -143,3 +143,51 @@ def test_a_follower_lost_again_before_the_daemon_answered_gives_up(tmp_path):
     got, asked = _follow_across(tmp_path, [[{"dropped": 0}, _chunk(b"one\n", 1.0)], [], [{"dropped": 0}]])
     assert got[0] == ProcOutput(1, b"one\n", 1.0) and len(asked) == 2
     assert isinstance(got[1], ConnectionLost) and "runs on" in str(got[1])
+
+
+def _tar_of(files: dict[str, bytes]) -> bytes:
+    import io
+    import tarfile
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_a_directory_copied_out_across_a_restart_is_copied_again_whole(tmp_path):
+    """download_dir spools the tar before anything reaches `local`: a
+    connection lost under it (a daemon restart) left nothing to undo, and
+    the copy, which changes nothing in the sandbox, goes again on the next
+    connection instead of failing."""
+    tar = _tar_of({"a": b"first\n", "b": b"second\n" * 1000})
+    sock_path = str(tmp_path / "d.sock")
+    asked: list[dict] = []
+
+    async def answer(f: dict, writer) -> bool:
+        if f["op"] != "file_tar_get":
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+            return False
+        asked.append(f["args"])
+        if len(asked) == 1:
+            writer.write(protocol.encode_frame({"id": f["id"], "stream": {"data": tar[:1024]}}))
+            await writer.drain()
+            writer.transport.abort()
+            return True
+        writer.write(protocol.encode_frame({"id": f["id"], "stream": {"data": tar}}))
+        writer.write(protocol.encode_frame({"id": f["id"], "result": {"path": "/work", "count": 2,
+                                                                      "bytes": len(tar), "skipped": []}}))
+        return False
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(answer), sock_path)
+        async with server:
+            async with Client(sock_path) as c:
+                return await asyncio.wait_for(Sandbox(c, "sb", {}).download_dir("/work", str(tmp_path / "out")), 30)
+
+    r = asyncio.run(go())
+    assert r["count"] == 2 and len(asked) == 2
+    assert (tmp_path / "out" / "a").read_bytes() == b"first\n"
+    assert (tmp_path / "out" / "b").read_bytes() == b"second\n" * 1000
