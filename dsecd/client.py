@@ -2254,9 +2254,11 @@ class Sandbox:
             raise ValueError(f"write_file: give an absolute path of a file, got {path!r}")
         tmp = f"{parent}/.dsec-{secrets.token_hex(6)}"         # short: the target's name may be 255 bytes
         made_on: list[_Conn | None] = []
+        renaming = False
         try:
             size = await self._write_chunks(tmp, pieces, mode, parents, temporary=True, owner=owner,
                                             made_on=made_on)
+            renaming = True
             await self.client.request("file_rename", sandbox=self.id, src=tmp, dst=path, overwrite=True,
                                       keep_attrs=True)
         except BaseException as err:
@@ -2273,6 +2275,22 @@ class Sandbox:
                     f"file_write on {self.client.target}: connection lost while writing {self.id}:{path}: the "
                     f"part written went with it (it was written under a temporary name), and {path} is as it "
                     "was; write it again", target=self.client.target, op="file_write", sent=True) from None
+            if isinstance(err, ConnectionLost) and err.sent and renaming:
+                raise ConnectionLost(
+                    f"file_write on {self.client.target}: connection lost while renaming the file written over "
+                    f"{self.id}:{path}: the rename may have replaced it (read it to know)",
+                    target=self.client.target, op="file_write", sent=True) from None
+            if isinstance(err, ConnectionLost):
+                # Lost under a piece: the temporary file went with the
+                # connection (or was removed above), never renamed over
+                # `path`. (What the lost request's own error said, that it
+                # may have been carried out, is not so of the write; why
+                # one never sent was not is.)
+                why = "" if err.sent else f" ({err})"
+                raise ConnectionLost(
+                    f"file_write on {self.client.target}: connection lost while writing {self.id}:{path}{why}: "
+                    f"the part written went with it (it was written under a temporary name), and {path} is as "
+                    "it was; write it again", target=self.client.target, op="file_write", sent=err.sent) from None
             if isinstance(err, DsecError):      # the caller knows no temporary file: name theirs
                 raise named_as(err, tmp, path, removed, verb=("rename", "write")) from None
             raise

@@ -1,0 +1,55 @@
+"""An atomic write_file whose connection is lost under it (a daemon
+restart), against a stand-in daemon on a unix socket: what its error says
+of the caller's path."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from standin_kit import serving
+
+from dsecd import ConnectionLost, protocol
+from dsecd.client import Client, Sandbox
+
+
+@pytest.mark.parametrize("cut", ["piece", "rename"])
+def test_a_write_cut_by_a_lost_connection_names_the_path_and_what_became_of_it(tmp_path, cut):
+    """A later piece lost in flight failed as a bare `file_write ...: the
+    request may have been carried out`, naming neither the caller's path
+    nor that it is as it was (the temporary file goes with the connection,
+    and is removed again); only the rename may have replaced it."""
+    sock_path = str(tmp_path / "d.sock")
+    seen: list[str] = []
+
+    async def answer(f: dict, writer) -> bool:
+        seen.append(f["op"])
+        op = f["op"]
+        if (cut == "piece" and op == "file_write" and f["args"].get("offset")) or \
+                (cut == "rename" and op == "file_rename"):
+            writer.transport.abort()            # the daemon goes under it
+            return True
+        if op == "file_remove":
+            error = {"code": "not_found", "message": f"remove {f['args']['path']}: No such file", "detail": {}}
+            writer.write(protocol.encode_frame({"id": f["id"], "error": error}))
+        else:
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {"size": 4}}))
+        return False
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(answer), sock_path)
+        async with server:
+            async with Client(sock_path) as c:
+                sb = Sandbox(c, "sb1", {})
+                c.server = {"limits": {"max_file_chunk_bytes": 4}}
+                with pytest.raises(ConnectionLost) as e:
+                    await asyncio.wait_for(sb.write_file("/tmp/out", b"abcdefgh" if cut == "piece" else b"abc"), 30)
+                return str(e.value)
+
+    said = asyncio.run(go())
+    assert "file_remove" in seen
+    assert "sb1:/tmp/out" in said, said
+    if cut == "piece":
+        assert "is as it was" in said and "write it again" in said and "carried out" not in said, said
+    else:
+        assert "may have replaced" in said and "is as it was" not in said, said
