@@ -1600,14 +1600,45 @@ class Client:
                      follow: bool = True) -> AsyncIterator[dict]:
         """State changes (created, paused, resumed, expired, oom, died, destroyed) and task-policy
         denials (denied), as they happen; with replay, the recent history first; with
-        follow=False, only that history."""
+        follow=False, only that history.
+
+        A lost connection (a daemon restart) is followed again on the next
+        one, on a client that reconnects (the default): with the daemon's
+        recent history (replay), so that what the next daemon published
+        before then (a sandbox found dead at its start) is not missed, and
+        what came already passed over (by its time and `seq`: the next
+        daemon numbers from 1 again, later). No daemon runs meanwhile, so
+        none is missed unless the next daemon published more than its
+        history keeps (256) first."""
         # `follow` only when it differs from the default, which older daemons do not know.
         extra = {} if follow else {"follow": False}
-        async with contextlib.aclosing(self.frames("events", sandbox=sandbox, replay=replay, **extra)) as frames:
-            async for frame in frames:
-                if "__result__" in frame:
-                    return
-                yield frame
+        last: tuple[float, int] | None = None          # the (time, seq) of the last event given
+        again = False
+        gap = RECONNECT_GAP_S
+        while True:
+            args = {"sandbox": sandbox, "replay": replay or again, **extra}
+            came = False
+            try:
+                async with contextlib.aclosing(self.frames("events", **args)) as frames:
+                    async for frame in frames:
+                        came = True
+                        if "__result__" in frame:
+                            return
+                        at = (frame.get("time", 0.0), frame.get("seq", 0))
+                        if again and last is not None and at <= last:
+                            continue                    # given before the loss
+                        last = at
+                        yield frame
+                return
+            except ConnectionLost:
+                if not _reconnects(self):
+                    raise
+                again = True
+            # A daemon that drops the connection at once, again and again,
+            # is not asked in a tight loop (a daemon restart drops it once).
+            gap = RECONNECT_GAP_S if came else min(2 * gap, RECONNECT_GAP_MAX_S)
+            if not came:
+                await asyncio.sleep(gap)
 
     async def get(self, sandbox_id: str) -> Sandbox:
         info = _sandbox_info(await self.request("inspect", sandbox=sandbox_id))

@@ -190,3 +190,33 @@ def test_a_followed_process_is_followed_on_across_a_daemon_restart(restartable, 
     assert all(not ch.dropped for ch in notices)
     assert (sig == signal.SIGKILL) == any(ch.lost_before for ch in notices), notices
     assert (status.state, status.exit_code) == ("exited", 0)
+
+
+def test_an_events_follower_goes_on_across_a_daemon_restart(restartable):
+    """events() had ended with ConnectionLost at the restart: a trainer's
+    watch for oom and died went blind. It follows the next daemon."""
+    d = restartable
+
+    async def go():
+        async with dsecd.Client(d.socket) as c:
+            sb = await c.create(image="busybox")
+            got: list[dict] = []
+
+            async def follow():
+                async for ev in c.events(sandbox=sb.id):
+                    got.append(ev)
+                    if ev["event"] == "resumed":
+                        return
+
+            following = asyncio.create_task(follow())
+            await sb.pause()
+            while not got:
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(d.stop)
+            await asyncio.to_thread(d.start)
+            async with dsecd.Client(d.socket) as other:
+                await (await other.get(sb.id)).resume()
+            await asyncio.wait_for(following, 60)
+            return [ev["event"] for ev in got]
+
+    assert asyncio.run(go()) == ["paused", "resumed"]

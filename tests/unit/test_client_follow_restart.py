@@ -191,3 +191,67 @@ def test_a_directory_copied_out_across_a_restart_is_copied_again_whole(tmp_path)
     assert r["count"] == 2 and len(asked) == 2
     assert (tmp_path / "out" / "a").read_bytes() == b"first\n"
     assert (tmp_path / "out" / "b").read_bytes() == b"second\n" * 1000
+
+
+def _ev(seq: int, at: float, kind: str = "paused") -> dict:
+    return {"seq": seq, "time": at, "event": kind, "sandbox": "sb"}
+
+
+def _events_across(tmp_path, lives: list[list[dict]], **kwargs) -> tuple[list, list[dict]]:
+    """Client.events(**kwargs) while each of `lives` (the events one
+    connection's request gets) is served in turn, every one but the last
+    cut short by the daemon going; the last then ends the request. What
+    events() gave (then the error that ended it, if any), and the args of
+    each events request."""
+    sock_path = str(tmp_path / "d.sock")
+    asked: list[dict] = []
+
+    async def answer(f: dict, writer) -> bool:
+        if f["op"] != "events":
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+            return False
+        asked.append(f["args"])
+        for ev in lives[len(asked) - 1]:
+            writer.write(protocol.encode_frame({"id": f["id"], "stream": ev}))
+        if len(asked) < len(lives):
+            await writer.drain()
+            writer.transport.abort()
+            return True
+        writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+        return False
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(answer), sock_path)
+        got: list = []
+        async with server:
+            async with Client(sock_path) as c:
+                try:
+                    async for ev in c.events(**kwargs):
+                        got.append(ev)
+                except ConnectionLost as err:
+                    got.append(err)
+        return got
+
+    return asyncio.run(asyncio.wait_for(go(), 30)), asked
+
+
+def test_an_events_follower_goes_on_after_a_daemon_restart(tmp_path):
+    """The next daemon numbers its events from 1 again and keeps its own
+    recent history: the follower asks for it (replay), so that what it
+    published before the follow was taken up again is not missed."""
+    got, asked = _events_across(tmp_path, [
+        [_ev(1, 1.0), _ev(2, 2.0)],
+        [_ev(1, 5.0, "died"), _ev(2, 6.0)],
+    ], sandbox="sb")
+    assert got == [_ev(1, 1.0), _ev(2, 2.0), _ev(1, 5.0, "died"), _ev(2, 6.0)]
+    assert [a["replay"] for a in asked] == [False, True] and asked[1]["sandbox"] == "sb"
+
+
+def test_an_events_follower_of_the_same_daemon_gets_no_event_twice(tmp_path):
+    """A connection lost while the daemon stays (an ssh:// link): its
+    history has what came already, passed over."""
+    got, _ = _events_across(tmp_path, [
+        [_ev(1, 1.0), _ev(2, 2.0)],
+        [_ev(1, 1.0), _ev(2, 2.0), _ev(3, 3.0)],
+    ], replay=True)
+    assert got == [_ev(1, 1.0), _ev(2, 2.0), _ev(3, 3.0)]
