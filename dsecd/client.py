@@ -2709,13 +2709,43 @@ class Sandbox:
         watched; stopped last, with a `reason`), `path` (in the sandbox) and
         `is_dir`. Runs until the loop stops (break) or the directory or the
         sandbox goes; with `recursive`, subdirectories too, new ones included.
-        A `path` that is not UTF-8 is a str as list_files gives one."""
+        A `path` that is not UTF-8 is a str as list_files gives one.
+        A lost connection (a daemon restart) is watched again on the next
+        one, on a client that reconnects (the default); what changed while
+        nothing watched is unknown, so the new watch's `ready` comes as an
+        `overflow` (list the tree again to catch up)."""
         args = {"sandbox": self.id, "path": path, "recursive": recursive}
-        async with contextlib.aclosing(self.client.frames("file_watch", **args)) as frames:
-            async for frame in frames:
-                if "__result__" in frame:
-                    return
-                yield _paths(frame)
+        ready = False           # the caller had its `ready`
+        again = False           # this watch follows one whose connection was lost
+        gap = RECONNECT_GAP_S
+        while True:
+            came = False
+            try:
+                async with contextlib.aclosing(self.client.frames("file_watch", **args)) as frames:
+                    async for frame in frames:
+                        came = True
+                        if "__result__" in frame:
+                            return
+                        if frame.get("kind") == "ready":
+                            if ready and again:
+                                again = False
+                                yield {"kind": "overflow", "path": _paths(frame)["path"], "is_dir": True,
+                                       "message": "changes made while the connection to the daemon was lost "
+                                                  "(a daemon restart) were not seen: list the tree again to "
+                                                  "catch up"}
+                                continue
+                            ready = True
+                        yield _paths(frame)
+                return
+            except ConnectionLost:
+                if not _reconnects(self.client):
+                    raise
+                again = True
+            # A daemon that drops the connection at once, again and again,
+            # is not asked in a tight loop (a daemon restart drops it once).
+            gap = RECONNECT_GAP_S if came else min(2 * gap, RECONNECT_GAP_MAX_S)
+            if not came:
+                await asyncio.sleep(gap)
 
     async def snapshot(self, name: str, exclude: list[str] | None = None,
                        progress: Callable[[dict], None] | None = None) -> dict:

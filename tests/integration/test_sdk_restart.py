@@ -220,3 +220,38 @@ def test_an_events_follower_goes_on_across_a_daemon_restart(restartable):
             return [ev["event"] for ev in got]
 
     assert asyncio.run(go()) == ["paused", "resumed"]
+
+
+def test_a_watch_goes_on_across_a_daemon_restart(restartable):
+    """sb.watch() had ended with ConnectionLost at the restart; it watches
+    the next daemon, with an overflow for what it could not see."""
+    d = restartable
+
+    async def go():
+        async with dsecd.Client(d.socket) as c:
+            sb = await c.create(image="busybox")
+            await sb.mkdir("/work")
+            got: list[dict] = []
+
+            async def follow():
+                async for ev in sb.watch("/work"):
+                    got.append(ev)
+                    if ev["kind"] == "create" and ev["path"] == "/work/after":
+                        return
+
+            following = asyncio.create_task(follow())
+            while not got:
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(d.stop)
+            await asyncio.to_thread(d.start)
+            async with dsecd.Client(d.socket) as other:
+                seen = await other.get(sb.id)
+                while not any(ev["kind"] == "overflow" for ev in got) and not following.done():
+                    await asyncio.sleep(0.05)
+                if following.done():
+                    await following             # ended: its error is the test's failure
+                await seen.write_file("/work/after", b"", atomic=False)
+            await asyncio.wait_for(following, 60)
+            return [(ev["kind"], ev["path"]) for ev in got]
+
+    assert asyncio.run(go()) == [("ready", "/work"), ("overflow", "/work"), ("create", "/work/after")]

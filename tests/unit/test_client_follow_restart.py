@@ -255,3 +255,45 @@ def test_an_events_follower_of_the_same_daemon_gets_no_event_twice(tmp_path):
         [_ev(1, 1.0), _ev(2, 2.0), _ev(3, 3.0)],
     ], replay=True)
     assert got == [_ev(1, 1.0), _ev(2, 2.0), _ev(3, 3.0)]
+
+
+def test_a_watch_goes_on_after_a_daemon_restart_saying_what_it_may_have_missed(tmp_path):
+    """sb.watch() had ended with ConnectionLost. It watches again on the
+    next connection; the changes made while nothing watched are unknown,
+    which the new watch's `ready` says as the `overflow` it is (list the
+    tree again)."""
+    sock_path = str(tmp_path / "d.sock")
+    lives = [
+        [{"kind": "ready", "path": "/work", "is_dir": True, "dirs": 1},
+         {"kind": "create", "path": "/work/a", "is_dir": False}],
+        [{"kind": "ready", "path": "/work", "is_dir": True, "dirs": 1},
+         {"kind": "create", "path": "/work/b", "is_dir": False},
+         {"kind": "stopped", "path": "/work", "is_dir": True, "reason": "deleted"}],
+    ]
+    asked: list[dict] = []
+
+    async def answer(f: dict, writer) -> bool:
+        if f["op"] != "file_watch":
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+            return False
+        asked.append(f["args"])
+        for ev in lives[len(asked) - 1]:
+            writer.write(protocol.encode_frame({"id": f["id"], "stream": ev}))
+        if len(asked) < len(lives):
+            await writer.drain()
+            writer.transport.abort()
+            return True
+        writer.write(protocol.encode_frame({"id": f["id"], "result": {"reason": "deleted"}}))
+        return False
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(answer), sock_path)
+        async with server:
+            async with Client(sock_path) as c:
+                return [ev async for ev in Sandbox(c, "sb", {}).watch("/work", recursive=True)]
+
+    got = asyncio.run(asyncio.wait_for(go(), 30))
+    assert [(ev["kind"], ev["path"]) for ev in got] == [
+        ("ready", "/work"), ("create", "/work/a"), ("overflow", "/work"), ("create", "/work/b"),
+        ("stopped", "/work")]
+    assert "lost" in got[2]["message"] and asked[1] == asked[0]
