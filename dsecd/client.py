@@ -409,6 +409,12 @@ def lost_after_sending(op: str) -> str:
         return "; it changes nothing, so it is safe to send again"
     if op in IDEMPOTENT:
         return "; it may have been carried out, and is safe to send again (done twice, it is done once)"
+    if op == "exec":
+        # The daemon kills the execs of a connection that ends, and the next
+        # daemon those of one that died: none outlives its connection.
+        return ("; the request may have been carried out: the command may have run, in part, and no longer "
+                "runs (the daemon kills the execs of a connection that ends; a background process, "
+                "spawn or dsec exec -d, outlives it)")
     return "; the request may have been carried out"
 
 

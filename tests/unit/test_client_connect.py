@@ -181,6 +181,8 @@ def test_a_lost_connection_names_the_idempotency_key_only_for_a_create():
     assert "idempotency key" not in events and "changes nothing, so it is safe to send again" in events
     exec_ = str(c._lost_error(ConnectionResetError("reset"), "exec", sent=True))
     assert "idempotency key" not in exec_ and "may have been carried out" in exec_
+    # Whether the command runs on is what its caller must know next: it does not.
+    assert "no longer runs" in exec_ and "kills the execs" in exec_ and "spawn" in exec_, exec_
     assert "carried out" not in str(c._lost_error(ConnectionResetError("reset"), "create", sent=False))
 
 
