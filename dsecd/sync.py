@@ -33,6 +33,7 @@ from .client import (
     ProcStatus,
     RunStream,
     Sandbox,
+    _destroy_on_the_way_out,
     _left_behind,
 )
 from .errors import DsecError, NotFound
@@ -771,7 +772,10 @@ class _SyncSandboxContext:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.sandbox is not None:
             try:
-                self.sandbox.destroy(force=True)
+                # Shielded on the loop: a ^C that ends the wait (a second
+                # one, after the block's) leaves the destroy going, its
+                # client's close waiting for it and a failure logged.
+                self.sandbox._run(_destroy_on_the_way_out(self.sandbox._sb))
             except NotFound:
                 pass                        # destroyed inside the block already
             except (DsecError, ConnectionError) as err:
