@@ -2612,6 +2612,16 @@ class Sandbox:
                 async for frame in frames:
                     if "__result__" in frame:
                         return frame["__result__"]
+        except ConnectionLost as err:
+            if not err.sent:
+                raise
+            # The copy extracts beside `remote` and renames the whole into
+            # place at its end; what a cut one made is removed (by the daemon
+            # when the connection ends, or by the next one at its start).
+            raise ConnectionLost(
+                f"file_tar_put on {c.target}: connection lost while copying to {self.id}:{remote}: if {remote} "
+                "exists, the copy ended first and it is whole; if not, nothing of the copy is left: copy it "
+                "again", target=c.target, op="file_tar_put", sent=True) from None
         finally:
             if not feeder.done():
                 feeder.cancel()

@@ -53,3 +53,33 @@ def test_a_write_cut_by_a_lost_connection_names_the_path_and_what_became_of_it(t
         assert "is as it was" in said and "write it again" in said and "carried out" not in said, said
     else:
         assert "may have replaced" in said and "is as it was" not in said, said
+
+
+def test_a_directory_copy_in_cut_by_a_lost_connection_says_what_to_look_for(tmp_path):
+    """upload_tar (and upload_dir) failed as a bare `file_tar_put ...: the
+    request may have been carried out`. A copy lands beside the new
+    directory and is renamed into place at its end, and what a cut copy
+    made is removed: the directory is whole if it is there, else nothing
+    of the copy is left."""
+    sock_path = str(tmp_path / "d.sock")
+
+    async def answer(f: dict, writer) -> bool:
+        if f["op"] == "file_tar_put":
+            writer.transport.abort()            # the daemon goes under it
+            return True
+        writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+        return False
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(answer), sock_path)
+        async with server:
+            async with Client(sock_path) as c:
+                with pytest.raises(ConnectionLost) as e:
+                    await asyncio.wait_for(Sandbox(c, "sb1", {}).upload_tar(b"\0" * 1024, "/work/up"), 30)
+                return e.value
+
+    err = asyncio.run(go())
+    said = str(err)
+    assert err.sent and err.op == "file_tar_put" and "sb1:/work/up" in said, said
+    assert "exists, the copy ended first and it is whole" in said and "nothing of the copy is left" in said
+    assert "copy it again" in said and "carried out" not in said, said
