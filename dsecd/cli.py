@@ -1322,7 +1322,9 @@ async def cmd_attach(c: Client, a) -> int:
     """Our stdin to the process's (our end of input closes its stdin), its
     output to ours as `logs -f`; Ctrl-C detaches and leaves it running."""
     proc = (await c.get(a.sandbox)).process(a.pid)
-    feeder = asyncio.get_running_loop().create_task(_feed_stdin(proc))
+    cut: list[ConnectionError] = []
+    following = [asyncio.current_task()]      # emptied once the output has ended
+    feeder = asyncio.get_running_loop().create_task(_feed_stdin(proc, cut, following))
     try:
         async for chunk in proc.output(follow=True):
             if a.json:
@@ -1330,10 +1332,20 @@ async def cmd_attach(c: Client, a) -> int:
             else:
                 _write_output(chunk, a.pid)
     except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if cut and task is not None and task.cancelling() == 1:
+            # Cancelled by the feeder alone: the input is what ended.
+            task.uncancel()
+            raise ConnectionLost(
+                f"input to process {a.pid} in sandbox {a.sandbox} was cut by a lost connection ({cut[0]}): "
+                "what was being written may not all have reached it. It runs on, its stdin open: "
+                f"`dsec attach {a.sandbox} {a.pid}` to go on", target=c.target, op="proc_input",
+                sent=True) from None
         print(f"dsec: detached from process {a.pid}; it keeps running", file=sys.stderr)
         a.said_how_it_ended = True
         raise
     finally:
+        following.clear()
         feeder.cancel()
         with contextlib.suppress(asyncio.CancelledError, DsecError, ConnectionError):
             await feeder
@@ -1343,15 +1355,24 @@ async def cmd_attach(c: Client, a) -> int:
     return _exit_of(st)
 
 
-async def _feed_stdin(proc) -> None:
+async def _feed_stdin(proc, cut: list[ConnectionError], following: list[asyncio.Task | None]) -> None:
     """Our stdin, as it comes, to the process; at its end the process's stdin
-    is closed. Stops quietly where the process takes no more input."""
+    is closed. Stops quietly where the process takes no more input. A chunk
+    lost with the connection (a daemon restart) may have reached it in
+    part, and nothing after it may go as if it had: its error goes in `cut`
+    and the task in `following` (following the output, while it does) is
+    cancelled."""
     try:
         async for data in _stdin_as_it_comes():
             await proc.write(data)
         await proc.close_stdin()
     except DsecError:
         pass          # exited, stdin closed or never open: the output still shows
+    except ConnectionError as err:
+        cut.append(err)
+        for task in following:
+            if task is not None:
+                task.cancel()
 
 
 async def _stdin_as_it_comes():

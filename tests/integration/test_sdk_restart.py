@@ -255,3 +255,54 @@ def test_a_watch_goes_on_across_a_daemon_restart(restartable):
             return [(ev["kind"], ev["path"]) for ev in got]
 
     assert asyncio.run(go()) == [("ready", "/work"), ("overflow", "/work"), ("create", "/work/after")]
+
+
+def test_dsec_attach_whose_input_is_cut_by_a_restart_says_so_and_ends(restartable):
+    """Its output followed on across the restart, but the stdin chunk the
+    old daemon was writing failed, and the feeder ended without a word:
+    what was typed after went nowhere. It ends, saying the input was cut
+    and how to go on."""
+    import subprocess
+    import threading
+    import time
+
+    from conftest import VENV_BIN
+
+    d = restartable
+    c = d.client()
+    try:
+        sb = c.create(image="busybox")
+        # It never reads: a chunk of input waits in the daemon for room in its pipe.
+        pid = sb.spawn("echo up; sleep 600").pid
+        attach = subprocess.Popen([str(VENV_BIN / "dsec"), "--socket", d.socket, "attach", sb.id, str(pid)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+        def feed():
+            try:
+                attach.stdin.write(b"x" * (4 << 20))
+                attach.stdin.close()
+            except (BrokenPipeError, ValueError):
+                pass
+
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        # Its first line came, and its pipe is full: a chunk is in the daemon's hands.
+        assert attach.stdout.readline() == b"up\n"
+        while not any(p.pid == pid and p.stdin_open for p in sb.processes()):
+            time.sleep(0.05)
+        time.sleep(1)
+        d.stop()
+        d.start()
+        try:
+            attach.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            attach.kill()
+            attach.wait()
+            raise AssertionError("dsec attach went on with its input cut") from None
+        said = attach.stderr.read().decode()
+        attach.stdout.close()
+        attach.stderr.close()
+        assert attach.returncode == 125 and f"input to process {pid}" in said and "dsec attach" in said, said
+        assert any(p.pid == pid and p.state == "running" for p in sb.processes())
+    finally:
+        c.close()
