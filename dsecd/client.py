@@ -1636,8 +1636,9 @@ class Client:
                         last = at
                         yield frame
                 return
-            except ConnectionLost:
-                if not _reconnects(self):
+            except ConnectionLost as err:
+                # Not sent: the daemon did not answer again (reconnect_timeout).
+                if not (err.sent and _reconnects(self)):
                     raise
                 again = True
             # A daemon that drops the connection at once, again and again,
@@ -2053,7 +2054,7 @@ class Process:
                             yield chunk
                 return
             except ConnectionLost as err:
-                if not (answered and _reconnects(client)):
+                if not (answered and err.sent and _reconnects(client)):
                     raise self._runs_on(err, follower) from None
                 answered = False
                 args = self._args(follow=follow, **follower.resume_args(since))
@@ -2753,8 +2754,9 @@ class Sandbox:
                             ready = True
                         yield _paths(frame)
                 return
-            except ConnectionLost:
-                if not _reconnects(self.client):
+            except ConnectionLost as err:
+                # Not sent: the daemon did not answer again (reconnect_timeout).
+                if not (err.sent and _reconnects(self.client)):
                     raise
                 again = True
             # A daemon that drops the connection at once, again and again,

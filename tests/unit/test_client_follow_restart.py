@@ -5,7 +5,9 @@ connection's proc_logs answered from a script, the first one cut short."""
 from __future__ import annotations
 
 import asyncio
+import os
 
+import pytest
 from standin_kit import serving
 
 from dsecd import ConnectionLost, protocol
@@ -297,3 +299,42 @@ def test_a_watch_goes_on_after_a_daemon_restart_saying_what_it_may_have_missed(t
         ("ready", "/work"), ("create", "/work/a"), ("overflow", "/work"), ("create", "/work/b"),
         ("stopped", "/work")]
     assert "lost" in got[2]["message"] and asked[1] == asked[0]
+
+
+@pytest.mark.parametrize("follower", ["events", "watch", "output"])
+def test_a_follower_whose_daemon_does_not_come_back_ends(tmp_path, follower):
+    """Followed again after a loss, each waits reconnect_timeout for the
+    daemon; one that never answers again ends the follow with the error
+    saying so, instead of a wait begun again and again."""
+    sock_path = str(tmp_path / "d.sock")
+    servers: list = []
+    first = {"events": {"seq": 1, "time": 1.0, "event": "paused", "sandbox": "sb"},
+             "watch": {"kind": "ready", "path": "/work", "is_dir": True, "dirs": 1},
+             "output": {"dropped": 0}}[follower]
+
+    async def answer(f: dict, writer) -> bool:
+        if f["op"] in ("events", "file_watch", "proc_logs"):
+            writer.write(protocol.encode_frame({"id": f["id"], "stream": first}))
+            await writer.drain()
+            servers[0].close()              # the daemon goes, for good
+            os.unlink(sock_path)
+            writer.transport.abort()
+            return True
+        writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+        return False
+
+    async def go():
+        servers.append(await asyncio.start_unix_server(serving(answer), sock_path))
+        async with Client(sock_path, reconnect_timeout=0.3) as c:
+            sb = Sandbox(c, "sb", {})
+            stream = {"events": lambda: c.events(), "watch": lambda: sb.watch("/work"),
+                      "output": lambda: Process(sb, 3).output()}[follower]()
+            got = []
+            with pytest.raises(ConnectionLost) as e:
+                async for item in stream:
+                    got.append(item)
+            return got, e.value
+
+    got, err = asyncio.run(asyncio.wait_for(go(), 30))
+    assert "did not answer again within 0.3 s" in str(err), err
+    assert len(got) == (0 if follower == "output" else 1)
