@@ -1507,7 +1507,8 @@ class Client:
 
     def sandbox(self, image: str, **create_args) -> _SandboxContext:
         """`async with client.sandbox(image=...) as sb:` creates a sandbox
-        (create's arguments) and destroys it on the way out, killing its execs."""
+        (create's arguments) and destroys it on the way out, killing its
+        execs; a destroy cut by a daemon restart is sent again to the next."""
         return _SandboxContext(self, image, create_args)
 
     async def call(self, image: str, argv: Command | None = None, code: str | None = None,
@@ -1706,7 +1707,7 @@ async def _destroy_on_the_way_out(sb) -> dict:
     destroy: it goes on as one of its client's undos (close() waits for
     them), and its failure is logged then, as nobody is left to raise it
     to. Its own failure is raised to a caller that waits."""
-    destroy = asyncio.ensure_future(sb.destroy(force=True))
+    destroy = asyncio.ensure_future(_destroy_again_if_lost(sb))
     undoing = getattr(sb.client, "_undoing", None)
     if undoing is not None:
         undoing.add(destroy)
@@ -1716,6 +1717,27 @@ async def _destroy_on_the_way_out(sb) -> dict:
     except asyncio.CancelledError:
         destroy.add_done_callback(lambda fut: _unheard_destroy(sb, fut))
         raise
+
+
+async def _destroy_again_if_lost(sb) -> dict:
+    """sb.destroy(force=True), sent again once if its connection was lost
+    after it was sent (a daemon restart), on a client that reconnects: the
+    first may have run, in part or whole, and the second ends what it did
+    not, or finds the sandbox gone (NotFound, which the callers take as
+    done), or still being destroyed by the first (the same daemon, reached
+    again over ssh://: it finishes a destroy whose client went)."""
+    try:
+        return await sb.destroy(force=True)
+    except ConnectionLost as err:
+        if not (err.sent and _reconnects(sb.client)):
+            raise
+    try:
+        return await sb.destroy(force=True)
+    except Conflict:
+        info = await sb.client.request("inspect", sandbox=sb.id)        # NotFound: gone since
+        if info.get("state") != "stopping":
+            raise
+        return {"id": sb.id, "previous_state": None}
 
 
 def _unheard_destroy(sb, fut: asyncio.Future) -> None:

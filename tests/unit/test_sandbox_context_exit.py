@@ -202,3 +202,46 @@ def test_a_sync_blocks_destroy_interrupted_by_a_second_ctrl_c_goes_on_and_is_hea
         loop.close()
     assert "cancel" not in ops, ops
     assert "the cgroup is busy" in caplog.text and "dsec rm --force sb1" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("ran", ["yes", "no", "under_way"])
+def test_a_blocks_destroy_cut_by_a_daemon_restart_is_sent_again(tmp_path, ran):
+    """The destroy as the block ends, lost in flight (a daemon restart),
+    raised ConnectionLost and may have left the sandbox. Sent again to the
+    next daemon, it ends what it did not, or finds the sandbox gone, or
+    (the same daemon, reached again) still being destroyed."""
+    sock_path = str(tmp_path / "d.sock")
+    destroys: list[dict] = []
+
+    async def answer(f: dict, writer) -> bool:
+        if f["op"] == "create":
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {"id": "sb1", "state": "running"}}))
+            return False
+        if f["op"] == "destroy":
+            destroys.append(f["args"])
+            if len(destroys) == 1:
+                writer.transport.abort()         # the daemon goes under it
+                return True
+            if ran == "no":
+                writer.write(protocol.encode_frame({"id": f["id"], "result": {"id": "sb1"}}))
+            else:
+                error = ({"code": "not_found", "message": "no sandbox sb1", "detail": {}} if ran == "yes" else
+                         {"code": "conflict", "message": "sandbox sb1 is already being destroyed",
+                          "detail": {"sandbox": "sb1"}})
+                writer.write(protocol.encode_frame({"id": f["id"], "error": error}))
+            return False
+        if f["op"] == "inspect":
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {"id": "sb1", "state": "stopping"}}))
+            return False
+        writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+        return False
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(answer), sock_path)
+        async with server:
+            async with Client(sock_path) as c:
+                async with c.sandbox("busybox"):
+                    pass
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+    assert destroys == [{"sandbox": "sb1", "force": True}] * 2
