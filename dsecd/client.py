@@ -2305,7 +2305,20 @@ class Sandbox:
         so far. `owner`: who a new file (and the parents it makes) belongs
         to, as exec's `user` names one (a uid, "name", "uid:gid",
         "name:group"); the sandbox's root by default, as `docker cp` gives
-        it."""
+        it. Bytes-like `data` whose write a lost connection cut (a daemon
+        restart) is written again whole, once, on the next connection: the
+        same bytes to the same path end as one write would (a stream,
+        read once, cannot be: its ConnectionLost says what became of
+        `path`)."""
+        try:
+            return await self._write_file(path, data, mode, parents, atomic, owner)
+        except ConnectionLost as err:
+            if not (isinstance(data, (bytes, bytearray, memoryview)) and err.sent and _reconnects(self.client)):
+                raise
+        return await self._write_file(path, data, mode, parents, atomic, owner)
+
+    async def _write_file(self, path: str, data, mode: int, parents: bool, atomic: bool,
+                          owner: int | str | None) -> int:
         pieces = file_pieces(data, self._chunk_size(), "write_file")
         if not atomic:
             return await self._write_chunks(path, pieces, mode, parents, owner=owner)
