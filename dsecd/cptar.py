@@ -55,27 +55,41 @@ class _Undo:
     most PIECE bytes (a few KiB of gzip may stand for gigabytes). Streams
     that follow one another (pigz, pbzip2, `cat a.gz b.gz`) are undone one
     after the other; anything else after the last is ignored, as gzip(1)
-    ignores trailing zeros. Whether another stream follows is known only
-    once its magic has come: a read may end where a stream does, or within
-    the next one's first bytes (a writer that writes one stream at a time)."""
+    ignores trailing zeros. xz streams are read as `xz -d` reads them: null
+    bytes after a stream are its stream padding, which must come in
+    multiples of 4, and anything else after one is refused. Whether another
+    stream follows is known only once its magic has come: a read may end
+    where a stream does, or within the next one's first bytes (a writer that
+    writes one stream at a time)."""
 
     def __init__(self, kind: str):
         self.kind = kind
         self.magic = next(m for m, k in _FORMATS if k == kind)
         self.d = _decompressor(kind)
         self.rest = b""             # after a stream's end: the bytes come since
+        self.padding = 0            # after an xz stream's end: the null bytes come since
         self.over = False
 
     def feed(self, data: bytes):
         while not self.over:
             if self.d is None:      # a stream ended: does another follow?
                 data, self.rest = self.rest + data, b""
+                if self.kind == "xz":
+                    rest = data.lstrip(b"\0")
+                    self.padding += len(data) - len(rest)
+                    data = rest
+                    if not data:
+                        return
                 if len(data) < len(self.magic) and self.magic.startswith(data):
                     self.rest = data        # the next read says
                     return
                 if not data.startswith(self.magic):
+                    if self.kind == "xz":
+                        raise BadRequest("stdin's xz stream is followed by bytes that are neither stream "
+                                         "padding nor another xz stream: the archive cannot be read")
                     self.over = True
                     return
+                self._check_padding()
                 self.d = _decompressor(self.kind)
             try:
                 out = self.d.decompress(data, PIECE)
@@ -95,9 +109,20 @@ class _Undo:
             if not more:
                 return
 
+    def _check_padding(self) -> None:
+        if self.padding % 4:
+            raise BadRequest(f"stdin's xz stream padding of {self.padding} null bytes is not a multiple of 4 "
+                             "(as xz -d requires): the input is damaged")
+        self.padding = 0
+
     def end(self) -> None:
         if not self.over and self.d is not None and not self.d.eof:
             raise BadRequest(f"stdin's {self.kind} stream ends before its end: the archive is cut short")
+        if self.kind == "xz" and self.d is None:
+            if self.rest:
+                raise BadRequest("stdin's xz input ends inside the next stream's first bytes: the archive is "
+                                 "cut short")
+            self._check_padding()
 
 
 async def decompressed(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -129,3 +129,24 @@ def test_a_plain_tar_whose_first_name_begins_as_a_magic_does_is_not_undone():
         info.size = 5
         tf.addfile(info, io.BytesIO(b"hello"))
     assert b"".join(_undone(buf.getvalue(), step=100)) == buf.getvalue()
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000], ids=["bytewise", "odd-reads", "one-read"])
+def test_xz_stream_padding_between_and_after_streams_is_read_as_xz_reads_it(step):
+    """xz -d takes null bytes after a stream, a multiple of 4 of them,
+    before the next stream or the input's end (xz's stream padding)."""
+    data = lzma.compress(b"first ") + b"\0" * 8 + lzma.compress(b"second") + b"\0" * 4
+    assert b"".join(_undone(data, step=step)) == b"first second"
+
+
+@pytest.mark.parametrize("tail", [b"\0" * 3, b"\0" * 5 + lzma.compress(b"second")], ids=["at-end", "between"])
+def test_xz_stream_padding_not_a_multiple_of_4_is_refused(tail):
+    with pytest.raises(BadRequest, match="xz stream padding of .* not a multiple of 4"):
+        _undone(lzma.compress(b"first ") + tail, step=5)
+
+
+def test_bytes_after_an_xz_stream_that_are_no_stream_are_refused():
+    """xz -d refuses what follows a stream and is neither padding nor a
+    stream: the rest of the input would be lost without a word."""
+    with pytest.raises(BadRequest, match="xz stream is followed by bytes that are"):
+        _undone(lzma.compress(b"first ") + b"\0" * 4 + b"garbage")
