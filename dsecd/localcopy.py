@@ -92,7 +92,13 @@ def unpack(src, dst: str, max_entries: int = 10**7, max_bytes: int = 1 << 62,
             for m in tf:
                 _check_stop(stop)
                 rel = tarsafe.check(m, seen)
+                if seen.replaces == "itself":
+                    continue
                 path = _below(tmp, rel)
+                if seen.replaces in ("file", "other") or (seen.replaces == "dir" and not m.isdir()):
+                    # A later entry of the name wins (tarsafe): what the earlier made goes.
+                    (os.rmdir if seen.replaces == "dir" else os.unlink)(path)
+                    dir_modes.pop(rel, None)
                 if m.isdir():
                     os.makedirs(path, 0o700, exist_ok=True)
                     dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, m.mtime)

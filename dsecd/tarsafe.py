@@ -7,7 +7,15 @@ An archive may make directories, regular files, symlinks, and hard links to
 regular files it made before. Refused: absolute names, `..`, NUL, names past
 PATH_MAX/NAME_MAX, an entry whose parent is a symlink or file of the archive
 (it could redirect the write out of the tree), devices, FIFOs, sparse files,
-setuid and setgid bits, a name that comes twice (but directories).
+setuid and setgid bits.
+
+A name that comes again replaces what the archive made of it before, as
+GNU tar extracts it (`tar -rf` appends a newer copy of a file to an
+archive): the extractor removes the earlier entry (never following it) and
+makes the later one, whose name is checked by the same rules. A directory
+that comes again stays and takes the later entry's mode and mtime; one
+that has entries below it cannot be replaced by a non-directory (GNU tar
+fails there too: "Cannot open: File exists"), and is refused.
 """
 
 from __future__ import annotations
@@ -36,8 +44,13 @@ class Seen:
     dirs: set[str] = field(default_factory=lambda: {""})
     files: set[str] = field(default_factory=set)
     others: set[str] = field(default_factory=set)      # symlinks
+    parents: set[str] = field(default_factory=set)     # directories with entries below them
     entries: int = 0
     bytes: int = 0
+    # What the entry check() passed last replaces: None (a new name), "dir",
+    # "file" (a file or hard link), "other" (a symlink), or "itself" (a hard
+    # link naming its own entry: GNU tar leaves the file as it is).
+    replaces: str | None = None
 
 
 def entry_name(name: str) -> str:
@@ -71,6 +84,7 @@ def check(m: tarfile.TarInfo, seen: Seen) -> str:
     """Check member `m` against the rules and what came before it; record it
     in `seen` and return its relative name. Raises Refused or TooLarge."""
     rel = entry_name(m.name)
+    seen.replaces = None
     seen.entries += 1
     if seen.entries > seen.max_entries:
         raise TooLarge(f"the archive has more than {seen.max_entries} entries")
@@ -88,10 +102,13 @@ def check(m: tarfile.TarInfo, seen: Seen) -> str:
         return rel
     parent = rel.rpartition("/")[0]
     _check_parent(m.name, parent, seen)
-    if rel in seen.dirs or rel in seen.files or rel in seen.others:
-        if m.isdir() and rel in seen.dirs:
-            return rel
-        raise Refused(f"entry {m.name!r} comes twice in the archive")
+    prior = "dir" if rel in seen.dirs else "file" if rel in seen.files else "other" if rel in seen.others else None
+    if prior == "dir" and m.isdir():
+        seen.replaces = prior
+        return rel
+    if prior == "dir" and rel in seen.parents:
+        raise Refused(f"entry {m.name!r} comes again as a {_what(m)} where the archive made a directory with "
+                      "entries in it: it cannot replace the directory")
     if m.issym() and ("\0" in m.linkname or len(m.linkname.encode(errors="surrogateescape")) > 4095):
         raise Refused(f"symlink {m.name!r} has a target with a NUL byte or past PATH_MAX")
     if m.islnk():
@@ -99,8 +116,18 @@ def check(m: tarfile.TarInfo, seen: Seen) -> str:
         if target not in seen.files:
             raise Refused(f"hard link {m.name!r} -> {m.linkname!r}: the target is not a regular file "
                           "earlier in the archive")
+        if target == rel:
+            seen.replaces = "itself"
+            return rel
+    if prior is not None:
+        (seen.dirs if prior == "dir" else seen.files if prior == "file" else seen.others).discard(rel)
+    seen.replaces = prior
     (seen.dirs if m.isdir() else seen.files if m.isreg() or m.islnk() else seen.others).add(rel)
     return rel
+
+
+def _what(m: tarfile.TarInfo) -> str:
+    return "hard link" if m.islnk() else "symlink" if m.issym() else "file"
 
 
 class Member(tarfile.TarInfo):
@@ -146,3 +173,4 @@ def _check_parent(name: str, parent: str, seen: Seen) -> None:
             raise Refused(f"entry {name!r} is below {path!r}, which the archive made a symlink or file: "
                           "writing through it could leave the copied directory")
         seen.dirs.add(path)
+        seen.parents.add(path)

@@ -1237,6 +1237,11 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None) -> tar
     with tarfile.open(fileobj=pipe, mode="r|", errorlevel=2, tarinfo=tarsafe.Member) as tf:
         for m in tf:
             rel = tarsafe.check(m, seen)
+            if seen.replaces == "itself":
+                continue
+            if seen.replaces in ("file", "other") or (seen.replaces == "dir" and not m.isdir()):
+                raise tarsafe.Refused(f"entry {m.name!r} comes again in the archive: a microVM's copy does not "
+                                      "replace what an earlier entry made; leave out the earlier one")
             if m.isdir():
                 dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, max(0, int(m.mtime)))
                 make_dirs(rel)

@@ -104,6 +104,12 @@ def _extract_into(pfd: int, tmp: str, fileobj, seen: tarsafe.Seen, fill) -> dict
         with tarfile.open(fileobj=fileobj, mode="r|", errorlevel=2, tarinfo=tarsafe.Member) as tf:
             for m in tf:
                 rel = tarsafe.check(m, seen)
+                if seen.replaces == "itself":
+                    continue
+                if seen.replaces in ("file", "other") or (seen.replaces == "dir" and not m.isdir()):
+                    _remove_replaced(topfd, rel, seen.replaces == "dir")
+                    made.discard(rel)
+                    dir_modes.pop(rel, None)
                 if m.isdir():
                     dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, m.mtime)
                     _make_dirs(topfd, rel, made)
@@ -136,6 +142,20 @@ def _parent_fd(topfd: int, rel: str) -> tuple[int, str]:
     if not parent:
         return os.dup(topfd), leaf
     return native.openat2(topfd, parent, os.O_PATH | os.O_DIRECTORY, 0, BENEATH), leaf
+
+
+def _remove_replaced(topfd: int, rel: str, is_dir: bool) -> None:
+    """Remove what an earlier entry made at `rel`, which a later one of the
+    same name replaces (tarsafe: a directory then has nothing in it); a
+    symlink is removed, never followed."""
+    dfd, leaf = _parent_fd(topfd, rel)
+    try:
+        if is_dir:
+            os.rmdir(leaf, dir_fd=dfd)
+        else:
+            os.unlink(leaf, dir_fd=dfd)
+    finally:
+        os.close(dfd)
 
 
 def _make_dirs(topfd: int, rel: str, made: set[str]) -> None:

@@ -170,7 +170,8 @@ HOSTILE = {
     "hard link out": [({"name": "h", "type": tarfile.LNKTYPE, "linkname": "../../etc/passwd"}, None)],
     "hard link to nothing": [({"name": "h", "type": tarfile.LNKTYPE, "linkname": "missing"}, None)],
     "setuid": [({"name": "suid", "mode": 0o4755}, b"#!/bin/sh\n")],
-    "twice": [({"name": "dup"}, b"1"), ({"name": "dup"}, b"2")],
+    "a file over a directory with entries": [({"name": "d", "type": tarfile.DIRTYPE}, None),
+                                             ({"name": "d/f"}, b"1"), ({"name": "d"}, b"2")],
 }
 
 
@@ -635,3 +636,16 @@ def test_cli_cp_tar_gives_a_files_tar_as_docker_cp_does(daemon, box, tmp_path):
     assert r.returncode == 2 and b"no such directory" in r.stderr and not box.exists("/work/in/new")
     r = daemon.cli("cp", "--tar", str(tmp_path / "x"), f"{box.id}:/work/in")
     assert r.returncode == 2 and b"--tar goes with '-'" in r.stderr
+
+
+def test_cli_cp_stdin_a_name_that_comes_again_is_the_later_one(daemon, container):
+    """`tar -rf` appends a newer copy of a file to an archive; GNU tar
+    extracts the last, and so does dsec cp -, merged into the directory."""
+    data = tar_of(({"name": "keep"}, b"older\n"), ({"name": "d", "type": tarfile.DIRTYPE, "mode": 0o755}, None),
+                  ({"name": "d/f"}, b"f\n"), ({"name": "keep", "mode": 0o600}, b"newer\n"),
+                  ({"name": "d", "type": tarfile.DIRTYPE, "mode": 0o700}, None)).getvalue()
+    r = daemon.cli("cp", "-", f"{container.id}:/work/in", input=data)
+    assert r.returncode == 0, r.stderr
+    got = container.exec(["sh", "-c", "cat /work/in/keep /work/in/d/f; stat -c %a /work/in/keep"]).stdout
+    assert got.split() == [b"newer", b"f", b"600"]
+    assert leftovers(container, "/work/in") == []
