@@ -162,8 +162,9 @@ enum {
 /* The version READY names. 3: EXEC_WINDOW and M_CREDIT are understood (an
  * older agent ignores the flag, and the host then does not send credit).
  * 4: EXEC_GROUPS (the host sends it to no older agent: one would run the
- * command without the groups). */
-#define AGENT_VERSION 5
+ * command without the groups). 6: a put's r record (the host sends it to
+ * no older agent: the copy is refused). */
+#define AGENT_VERSION 6
 #define MAX_LIST 100000
 
 static int chan = -1;   /* the virtio-serial port */
@@ -3536,8 +3537,10 @@ static int put_parent(int topfd, char *rel, const char **leaf)
 /* One record: kind, rel, mode, mtime (s), size, then size bytes (a file's
  * data, a link's target). Kinds: d a directory (mode 0700 until its D), f
  * a file, s a symlink, h a hard link to a file made before, D a directory's
- * mode and mtime (2^64-1: none; sent last, deepest first), E the end: rename
- * into place. */
+ * mode and mtime (2^64-1: none; sent last, deepest first), r the removal of
+ * what an earlier record made at the name, which a later entry of the
+ * archive replaces (mode 1: an empty directory; else a file or symlink,
+ * never followed), E the end: rename into place. */
 static int put_record(int topfd, int pfd, const char *tmp, const char *name, int *ended)
 {
     unsigned char head[5];
@@ -3594,6 +3597,10 @@ static int put_record(int topfd, int pfd, const char *tmp, const char *name, int
     switch (head[0]) {
     case 'd':
         if (mkdirat(dfd, leaf, 0700) < 0)
+            goto err;
+        break;
+    case 'r':
+        if (unlinkat(dfd, leaf, mode == 1 ? AT_REMOVEDIR : 0) < 0)
             goto err;
         break;
     case 'D':

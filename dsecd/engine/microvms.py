@@ -846,7 +846,8 @@ class MicroVMService:
         async def records() -> tarsafe.Seen:
             run = await started
             try:
-                return await self.workers.run(_put_records, pipe, send, max_entries, max_bytes, room)
+                return await self.workers.run(_put_records, pipe, send, max_entries, max_bytes, room,
+                                              self.agent(sb).agent_version)
             except BaseException:
                 # Refused, broken or abandoned: the child's input ends before
                 # the end record, so it removes what it made and exits.
@@ -1199,14 +1200,17 @@ class _CopyEnded(Exception):
 PUT_CHUNK = 256 << 10       # records go to the guest in stdin chunks of about this size
 
 
-def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None) -> tarsafe.Seen:
+def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None,
+                 agent_version: int = wire.REPLACE_AGENT_VERSION) -> tarsafe.Seen:
     """Read the tar from `pipe` (in a worker), check each entry as the
     container backend does (tarsafe.check) and send(data, eof) its records
     (csrc/guest/agent.c, put_record): missing parent directories first,
-    directories' modes last, deepest first, then the end. room(size), if
-    given, raises when a file of PUT_CHECK_BYTES or more would not fit in
-    the guest (MicroVMService.check_room); the records before it are sent
-    first."""
+    the removal of what an earlier entry of a name made before a later
+    one replaces it, directories' modes last, deepest first, then the end.
+    room(size), if given, raises when a file of PUT_CHECK_BYTES or more
+    would not fit in the guest (MicroVMService.check_room); the records
+    before it are sent first. An agent older than REPLACE_AGENT_VERSION
+    has no removal: such an archive is refused."""
     seen = tarsafe.Seen(max_entries, max_bytes)
     out = bytearray()
     made = {""}
@@ -1240,8 +1244,14 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None) -> tar
             if seen.replaces == "itself":
                 continue
             if seen.replaces in ("file", "other") or (seen.replaces == "dir" and not m.isdir()):
-                raise tarsafe.Refused(f"entry {m.name!r} comes again in the archive: a microVM's copy does not "
-                                      "replace what an earlier entry made; leave out the earlier one")
+                if agent_version < wire.REPLACE_AGENT_VERSION:
+                    raise tarsafe.Refused(f"entry {m.name!r} comes again in the archive, and this microVM's guest "
+                                          f"agent (version {agent_version}) cannot replace what the earlier one "
+                                          f"made (version {wire.REPLACE_AGENT_VERSION} can): leave out the "
+                                          "earlier one")
+                record(b"r", rel, 1 if seen.replaces == "dir" else 0)
+                made.discard(rel)
+                dir_modes.pop(rel, None)
             if m.isdir():
                 dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, max(0, int(m.mtime)))
                 make_dirs(rel)

@@ -638,14 +638,14 @@ def test_cli_cp_tar_gives_a_files_tar_as_docker_cp_does(daemon, box, tmp_path):
     assert r.returncode == 2 and b"--tar goes with '-'" in r.stderr
 
 
-def test_cli_cp_stdin_a_name_that_comes_again_is_the_later_one(daemon, container):
+def test_cli_cp_stdin_a_name_that_comes_again_is_the_later_one(daemon, box):
     """`tar -rf` appends a newer copy of a file to an archive; GNU tar
     extracts the last, and so does dsec cp -, merged into the directory."""
     data = tar_of(({"name": "keep"}, b"older\n"), ({"name": "d", "type": tarfile.DIRTYPE, "mode": 0o755}, None),
                   ({"name": "d/f"}, b"f\n"), ({"name": "keep", "mode": 0o600}, b"newer\n"),
                   ({"name": "d", "type": tarfile.DIRTYPE, "mode": 0o700}, None)).getvalue()
-    r = daemon.cli("cp", "-", f"{container.id}:/work/in", input=data)
+    r = daemon.cli("cp", "-", f"{box.id}:/work/in", input=data)
     assert r.returncode == 0, r.stderr
-    got = container.exec(["sh", "-c", "cat /work/in/keep /work/in/d/f; stat -c %a /work/in/keep"]).stdout
+    got = box.exec(["sh", "-c", "cat /work/in/keep /work/in/d/f; stat -c %a /work/in/keep"]).stdout
     assert got.split() == [b"newer", b"f", b"600"]
-    assert leftovers(container, "/work/in") == []
+    assert leftovers(box, "/work/in") == []

@@ -13,7 +13,7 @@ import tarfile
 
 import pytest
 
-from dsecd import localcopy
+from dsecd import localcopy, tarsafe
 from dsecd.fs import tarcopy
 from dsecd.fs.files import PathError
 
@@ -131,12 +131,36 @@ def test_a_symlink_replaced_by_a_file_is_not_written_through(tmp_path):
     assert not os.path.islink(os.path.join(top, "l"))
 
 
-def test_a_microvm_put_names_the_entry_it_does_not_replace():
-    from dsecd import tarsafe
+
+def _records(data: bytes, agent_version: int | None = None) -> list[tuple[str, str, int]]:
+    """The records a microVM put sends its guest for the tar `data`: (kind, name, mode)."""
+    import struct
+
     from dsecd.engine.microvms import _put_records
 
-    sent: list[tuple[bytes, bool]] = []
-    with pytest.raises(tarsafe.Refused, match="entry 'a' comes again in the archive"):
-        _put_records(io.BytesIO(_tar(("a", R, b"1"), ("a", R, b"2"))), lambda data, eof: sent.append((data, eof)),
-                     100, 1 << 20)
-    assert not any(eof for _, eof in sent)          # no end record: the guest's child removes what it made
+    out = bytearray()
+    kw = {} if agent_version is None else {"agent_version": agent_version}
+    _put_records(io.BytesIO(data), lambda chunk, eof: out.extend(chunk), 100, 1 << 20, **kw)
+    records, pos = [], 0
+    while pos < len(out):                   # kind, name length, name, mode, mtime, size, data
+        kind = out[pos:pos + 1].decode()
+        (n,) = struct.unpack(">I", out[pos + 1:pos + 5])
+        mode, _, size = struct.unpack(">IQQ", out[pos + 5 + n:pos + 25 + n])
+        records.append((kind, out[pos + 5:pos + 5 + n].decode(), mode))
+        pos += 25 + n + size
+    return records
+
+
+def test_a_microvm_put_removes_what_a_later_entry_replaces_before_making_it():
+    records = _records(_tar(("a", R, b"1"), ("a", S, "x"), ("e", D, None), ("e", R, b"2"), ("l", R, b"l"),
+                            ("l", L, "l"), ("d", D, None), ("d/f", R, b"f"), ("d", D, None, 0o700)))
+    assert records == [("f", "a", 0o644), ("r", "a", 0), ("s", "a", 0), ("d", "e", 0), ("r", "e", 1),
+                       ("f", "e", 0o644), ("f", "l", 0o644), ("d", "d", 0), ("f", "d/f", 0o644),
+                       ("D", "d", 0o700), ("D", "", 0o755), ("E", "", 0)]
+
+
+def test_a_microvm_put_refuses_a_replacement_its_older_agent_cannot_make():
+    with pytest.raises(tarsafe.Refused, match=r"entry 'a' comes again in the archive, and this microVM's guest "
+                                              r"agent \(version 5\) cannot replace"):
+        _records(_tar(("a", R, b"1"), ("a", R, b"2")), agent_version=5)
+    assert _records(_tar(("d", D, None), ("d", D, None)), agent_version=5)[-1][0] == "E"      # dirs: as before

@@ -38,6 +38,10 @@ GROUPS_AGENT_VERSION = 4
 # uid and gid fields; the put's in its argv); an older one would make root's
 # files: such a request is refused (MicroVMService._owner_fields).
 OWNER_AGENT_VERSION = 5
+# The version from which a put removes what an earlier entry made at a name
+# a later entry replaces (its r record); with an older one such an archive
+# is refused (engine/microvms.py _put_records).
+REPLACE_AGENT_VERSION = 6
 TRACE_FD = 3
 WRITE_APPEND, WRITE_KEEP, WRITE_PARENTS = 1, 2, 4
 RENAME_OVERWRITE, RENAME_KEEP_ATTRS = 1, 2
