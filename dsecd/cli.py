@@ -1542,16 +1542,18 @@ async def _cp_merged(a, sb, src: str, dst: str, upload: bool, tar: AsyncIterator
         held = posixpath.join(dst, landing)
         try:
             if tar is not None:
-                r = await sb.upload_tar(tar, held, temporary=True, owner=a.owner)
+                r = await sb.upload_tar(tar, held, temporary=True, owner=a.owner, dirs=True)
             else:
                 r = await sb.upload_dir(src, held, temporary=True, owner=a.owner)
         except DsecError as err:            # named as the user named it, not by the landing
             raise named_as(err, held, dst) from None
         try:
-            replaced = await cpmerge.into_sandbox(sb, held, dst)
-        finally:
+            replaced = await cpmerge.into_sandbox(sb, held, dst, r.pop("dirs", ()),
+                                                  lambda text: print(f"dsec cp: {text}", file=sys.stderr))
+        except BaseException:
             with contextlib.suppress(DsecError, ConnectionError):    # keep the error that got us here
                 await sb.remove(held, recursive=True)
+            raise
     else:
         held = os.path.join(dst, landing)
         r = await sb.download_dir(src, held)

@@ -2374,6 +2374,11 @@ class Sandbox:
         None for a client that keeps none of its own."""
         return getattr(self.client, "_conn", None)
 
+    def _sets_attrs(self) -> bool:
+        """Whether the daemon serves set_attrs and lists a put's directory
+        entries (upload_tar's `dirs`): capability files.attrs."""
+        return "files.attrs" in self.client.server.get("capabilities", ())
+
     def _keeps_temporaries(self) -> bool:
         """Whether the daemon takes `temporary` on file_write and file_tar_put
         (an older one refuses the field: the copy then goes without it, its
@@ -2603,6 +2608,14 @@ class Sandbox:
         return _paths(await self.client.request("file_rename", sandbox=self.id, src=src, dst=dst,
                                                 overwrite=overwrite))
 
+    async def set_attrs(self, path: str, mode: int | None = None, mtime: float | None = None,
+                        follow: bool = False) -> dict:
+        """chmod `path` to `mode` and/or set its modification (and access)
+        time to `mtime` (seconds since the epoch): a file or a directory; a
+        symlink is not followed, unless `follow` (inside the sandbox)."""
+        args = {k: v for k, v in (("mode", mode), ("mtime", mtime), ("follow", follow or None)) if v is not None}
+        return _paths(await self.client.request("file_set_attrs", sandbox=self.id, path=path, **args))
+
     async def upload_dir(self, local: str, remote: str, temporary: bool = False,
                          owner: int | str | None = None) -> dict:
         """Copy local directory `local` as the new directory `remote` in the
@@ -2621,14 +2634,16 @@ class Sandbox:
             return await self.upload_tar(spool, remote, temporary, owner)
 
     async def upload_tar(self, fileobj, remote: str, temporary: bool = False,
-                         owner: int | str | None = None) -> dict:
+                         owner: int | str | None = None, dirs: bool = False) -> dict:
         """Extract an uncompressed tar read from binary file `fileobj` (or
         given as bytes, as docker's put_archive takes it, or as an async
         iterable of bytes, a stream of it) as the new directory `remote` in
         the sandbox (see upload_dir: the daemon checks every entry; a
         refused archive leaves nothing; `temporary`; `owner`). Cancelled,
         it returns once the daemon has removed what the copy made (in a
-        container), so nothing of it is seen after."""
+        container), so nothing of it is seen after. With `dirs`, the result
+        lists the archive's directory entries, [name, mode, mtime] each, as
+        `dirs` (a daemon without the capability files.attrs: left out)."""
         if isinstance(fileobj, (bytes, bytearray, memoryview)):
             fileobj = io.BytesIO(fileobj)
         elif not callable(getattr(fileobj, "read", None)) and not hasattr(fileobj, "__aiter__"):
@@ -2643,11 +2658,15 @@ class Sandbox:
         try:
             args = {"sandbox": self.id, "path": remote,
                     **({"temporary": True} if temporary and self._keeps_temporaries() else {}),
-                    **({"owner": owner} if owner is not None else {})}
+                    **({"owner": owner} if owner is not None else {}),
+                    **({"dirs": True} if dirs and self._sets_attrs() else {})}
             async with contextlib.aclosing(c.frames_with_id(rid, "file_tar_put", args, sent)) as frames:
                 async for frame in frames:
                     if "__result__" in frame:
-                        return frame["__result__"]
+                        result = _paths(frame["__result__"])
+                        if result.get("dirs"):      # names not UTF-8 come as bytes, as a listing's
+                            result["dirs"] = [[os.fsdecode(name), *rest] for name, *rest in result["dirs"]]
+                        return result
         except ConnectionLost as err:
             if not err.sent:
                 raise

@@ -23,6 +23,7 @@ import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from .errors import Unsupported
 from .fs.libc import rename_noreplace
 
 # Renames in flight at once when the moves go to a sandbox: each is one
@@ -40,14 +41,18 @@ class Move:
     replace: bool     # a non-directory is there already
 
 
-async def plan(list_dir: ListDir, join: Callable[[str, str], str], landing: str, dst: str) -> list[Move]:
+async def plan(list_dir: ListDir, join: Callable[[str, str], str], landing: str, dst: str,
+               merged: list[tuple[str, str]] | None = None) -> list[Move]:
     """The moves that merge the tree at `landing` into the existing
     directory `dst`; IsADirectoryError or NotADirectoryError (nothing moved)
-    where a directory meets a non-directory."""
+    where a directory meets a non-directory. `merged`, if given, gets each
+    pair of directories both hold (landing's, dst's; the tops first)."""
     moves: list[Move] = []
     pending = [(landing, dst)]
     while pending:
         src_dir, dst_dir = pending.pop()
+        if merged is not None:
+            merged.append((src_dir, dst_dir))
         there = await list_dir(dst_dir)
         for name, is_dir in sorted((await list_dir(src_dir)).items()):
             s, d = join(src_dir, name), join(dst_dir, name)
@@ -64,10 +69,24 @@ async def plan(list_dir: ListDir, join: Callable[[str, str], str], landing: str,
     return moves
 
 
-async def into_sandbox(sb, landing: str, dst: str) -> int:
+async def into_sandbox(sb, landing: str, dst: str, dirs: list | None = (),
+                       note: Callable[[str], None] | None = None) -> int:
     """Merge `landing` (a directory in sandbox `sb`) into its directory
-    `dst`; returns how many names were replaced. `landing` is left with
-    the directories that were merged into, for the caller to remove."""
+    `dst`, then remove what is left of `landing` (the directories that
+    were merged into); returns how many names were replaced. On a failure
+    `landing` stays, for the caller to remove.
+
+    `dirs`: the archive's directory entries ([name below landing, mode,
+    mtime], a put's `dirs`; None: the put had too many to list, which
+    note(message) says). A directory dst held already that one of them
+    names takes its mode and mtime once the moves into it are done, as GNU
+    tar (--overwrite-dir, its default) sets an existing directory's from
+    the archive's entry, the top's (".") included; one without an entry
+    keeps its own. Owners are not the archive's, as in any copy. The
+    landing (inside dst, or below it) goes first: its removal would
+    change the mtime of the directory that holds it. A sandbox that cannot
+    set them (a microVM whose guest agent is older) leaves them as they
+    were, and note(message) says so."""
 
     async def list_dir(path: str) -> dict[str, bool]:
         entries = await sb.list_files(path)
@@ -76,10 +95,31 @@ async def into_sandbox(sb, landing: str, dst: str) -> int:
                                        "directory instead", path)
         return {e["name"]: e["type"] == "dir" for e in entries}
 
-    moves = await plan(list_dir, posixpath.join, landing, dst)
+    merged: list[tuple[str, str]] = []
+    moves = await plan(list_dir, posixpath.join, landing, dst, merged)
     for i in range(0, len(moves), MOVES_IN_FLIGHT):
         await asyncio.gather(*(sb.rename(m.src, m.dst, overwrite=m.replace)
                                for m in moves[i:i + MOVES_IN_FLIGHT]))
+    await sb.remove(landing, recursive=True)
+    if dirs is None and note is not None:
+        note("the tar names more directories than one result lists: the existing directories keep their "
+             "modes and mtimes")
+    entries = {name: (mode, mtime) for name, mode, mtime in dirs or ()}
+    sets = []
+    for src_dir, dst_dir in merged:
+        rel = posixpath.relpath(src_dir, landing)
+        attrs = entries.get("" if rel == "." else rel)
+        if attrs is not None:
+            sets.append((dst_dir, *attrs))
+    try:
+        # dst may be a symlink to the directory (its moves go through it), as
+        # tar -C follows one; below it, both hold only real directories.
+        for i in range(0, len(sets), MOVES_IN_FLIGHT):
+            await asyncio.gather(*(sb.set_attrs(path, mode=mode, mtime=mtime, follow=path == dst)
+                                   for path, mode, mtime in sets[i:i + MOVES_IN_FLIGHT]))
+    except Unsupported as err:
+        if note is not None:
+            note(f"the existing directories keep their modes and mtimes: {err.message}")
     return sum(m.replace for m in moves)
 
 

@@ -94,7 +94,8 @@ SERVICE_ROUTES = {
     "file_read": ("file_service", "read"), "file_write": ("file_service", "write"),
     "file_list": ("file_service", "list"), "file_stat": ("file_service", "stat"),
     "file_mkdir": ("file_service", "mkdir"), "file_remove": ("file_service", "remove"),
-    "file_rename": ("file_service", "rename"), "file_watch": ("watch_service", "watch"),
+    "file_rename": ("file_service", "rename"), "file_set_attrs": ("file_service", "set_attrs"),
+    "file_watch": ("watch_service", "watch"),
     "file_tar_put": ("dir_copies", "put"), "file_tar_input": ("dir_copies", "put_input"),
     "file_tar_get": ("dir_copies", "get"),
     "image_build": ("image_service", "build"), "image_list": ("image_service", "list"),
@@ -322,11 +323,12 @@ class Node:
 
     def capabilities(self) -> list[str]:
         # files.temporary: file_write and file_tar_put take `temporary`;
-        # image.list.stream: image_list takes `stream` (an older daemon
-        # refuses a field it does not know).
+        # image.list.stream: image_list takes `stream`; files.attrs:
+        # file_set_attrs is served and file_tar_put takes `dirs` (an older
+        # daemon refuses a field or request it does not know).
         caps = ["exec.stream", "exec.stdin", "files", "files.watch", "files.tar", "files.temporary",
                 "backend.container", "image.dir", "backend.fncall", "proc", "frame.tail", "policy",
-                "image.list.stream"]
+                "image.list.stream", "files.attrs"]
         if self.vms.backend is not None:
             caps.append("backend.microvm")
         return caps

@@ -94,6 +94,7 @@ def encode_frame_parts(obj: dict, max_bytes: int | None = None) -> tuple[bytes, 
 # path (PATH_FIELDS) may so come as bytes, and is the str again once decoded.
 PATH_FIELDS = {"file_read": ("path",), "file_write": ("path",), "file_list": ("path",), "file_stat": ("path",),
                "file_mkdir": ("path",), "file_remove": ("path",), "file_rename": ("src", "dst"),
+               "file_set_attrs": ("path",),
                "file_watch": ("path",), "file_tar_put": ("path",), "file_tar_get": ("path",),
                # The working directory a command starts in, a path in the sandbox too.
                "exec": ("cwd",), "proc_start": ("cwd",), "create": ("cwd",)}
@@ -547,6 +548,15 @@ class FileRename:
     keep_attrs: bool = False     # a file replacing a file takes its owner, group and mode
 
 
+@request("file_set_attrs", states=ACTIVE)
+class FileSetAttrs:
+    sandbox: str
+    path: str                    # a file or directory; a symlink (as its last name) is not followed
+    mode: int | None = None      # chmod: permission bits, sticky, setuid/setgid
+    mtime: float | None = None   # its modification and access times (seconds since the epoch)
+    follow: bool = False         # a symlink as its last name: what it leads to (inside the sandbox)
+
+
 @request("file_watch", states=ACTIVE, stream=True)
 class FileWatch:
     sandbox: str
@@ -562,6 +572,9 @@ class FileTarPut:
     # the daemon if the client's connection closes first (containers).
     temporary: bool = False
     owner: int | str | None = None   # who every entry it makes belongs to: as file_write's
+    # The result lists the archive's directory entries (name, mode, mtime):
+    # what a client merging the copy into an existing tree sets there.
+    dirs: bool = False
 
 
 @request("file_tar_input")

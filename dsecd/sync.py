@@ -107,11 +107,15 @@ class SyncSandbox:
     def rename(self, src: str, dst: str, **kw) -> dict:
         return self._run(self._sb.rename(src, dst, **kw))
 
+    def set_attrs(self, path: str, **kw) -> dict:
+        return self._run(self._sb.set_attrs(path, **kw))
+
     def upload_dir(self, local: str, remote: str, temporary: bool = False, owner: int | str | None = None) -> dict:
         return self._run(self._sb.upload_dir(local, remote, temporary, owner))
 
-    def upload_tar(self, fileobj, remote: str, temporary: bool = False, owner: int | str | None = None) -> dict:
-        return self._run(self._sb.upload_tar(fileobj, remote, temporary, owner))
+    def upload_tar(self, fileobj, remote: str, temporary: bool = False, owner: int | str | None = None,
+                   dirs: bool = False) -> dict:
+        return self._run(self._sb.upload_tar(fileobj, remote, temporary, owner, dirs))
 
     def download_dir(self, remote: str, local: str) -> dict:
         return self._run(self._sb.download_dir(remote, local))

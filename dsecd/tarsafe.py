@@ -45,6 +45,9 @@ class Seen:
     files: set[str] = field(default_factory=set)
     others: set[str] = field(default_factory=set)      # symlinks
     parents: set[str] = field(default_factory=set)     # directories with entries below them
+    # The archive's own directory entries, the last of each name: (mode as
+    # kept, mtime). A directory made only because entries go below it has none.
+    dir_entries: dict[str, tuple[int, float]] = field(default_factory=dict)
     entries: int = 0
     bytes: int = 0
     # What the entry check() passed last replaces: None (a new name), "dir",
@@ -99,12 +102,14 @@ def check(m: tarfile.TarInfo, seen: Seen) -> str:
     if rel == "":
         if not m.isdir():
             raise Refused(f"entry {m.name!r} names the copied directory itself but is not a directory")
+        seen.dir_entries[rel] = (m.mode & KEPT_MODE, m.mtime)
         return rel
     parent = rel.rpartition("/")[0]
     _check_parent(m.name, parent, seen)
     prior = "dir" if rel in seen.dirs else "file" if rel in seen.files else "other" if rel in seen.others else None
     if prior == "dir" and m.isdir():
         seen.replaces = prior
+        seen.dir_entries[rel] = (m.mode & KEPT_MODE, m.mtime)
         return rel
     if prior == "dir" and rel in seen.parents:
         raise Refused(f"entry {m.name!r} comes again as a {_what(m)} where the archive made a directory with "
@@ -121,6 +126,9 @@ def check(m: tarfile.TarInfo, seen: Seen) -> str:
             return rel
     if prior is not None:
         (seen.dirs if prior == "dir" else seen.files if prior == "file" else seen.others).discard(rel)
+        seen.dir_entries.pop(rel, None)
+    if m.isdir():
+        seen.dir_entries[rel] = (m.mode & KEPT_MODE, m.mtime)
     seen.replaces = prior
     (seen.dirs if m.isdir() else seen.files if m.isreg() or m.islnk() else seen.others).add(rel)
     return rel

@@ -120,6 +120,8 @@ enum {
     M_PROC_FORGET = 27, /* pid: an exited process's record and ring freed; OK */
     M_CREDIT = 28,      /* taken: of an EXEC_WINDOW exec (its id), the OUT data bytes the host has taken
                            in all (2^64-1: it discards the rest, send all); no answer */
+    M_SETATTR = 29,     /* path, flags (1: mode, 2: mtime, 4: follow), mode, mtime (ns): a file's or
+                           directory's (a symlink, unless followed: ELOOP); OK */
 };
 /* guest -> host */
 enum {
@@ -163,8 +165,9 @@ enum {
  * older agent ignores the flag, and the host then does not send credit).
  * 4: EXEC_GROUPS (the host sends it to no older agent: one would run the
  * command without the groups). 6: a put's r record (the host sends it to
- * no older agent: the copy is refused). */
-#define AGENT_VERSION 6
+ * no older agent: the copy is refused). 7: M_SETATTR (the host sends it to
+ * no older agent). */
+#define AGENT_VERSION 7
 #define MAX_LIST 100000
 
 static int chan = -1;   /* the virtio-serial port */
@@ -2373,6 +2376,51 @@ done:
     free(path);
 }
 
+/* chmod and/or the times of a file or directory, through its O_PATH fd (a
+ * symlink at its last name followed only with flag 4; RESOLVE_IN_ROOT). */
+static void do_setattr(uint32_t id, struct rd *r)
+{
+    char *path = get_str(r);
+    uint64_t flags = get_u64(r), mode = get_u64(r), ns = get_u64(r);
+    char proc[64];
+    struct stat st;
+    int fd = -1;
+
+    if (r->bad) {
+        send_err(id, EINVAL, "malformed setattr request");
+        goto done;
+    }
+    fd = open_in_root(path, O_PATH | (flags & 4 ? 0 : O_NOFOLLOW), 0);
+    if (fd < 0 || fstat(fd, &st) < 0) {
+        send_err(id, errno, "open");
+        goto done;
+    }
+    if (!S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode)) {
+        send_err(id, S_ISLNK(st.st_mode) ? ELOOP : EINVAL, "not a file or directory");
+        goto done;
+    }
+    snprintf(proc, sizeof(proc), "/proc/self/fd/%d", fd);
+    if ((flags & 1) && chmod(proc, (mode_t)(mode & 07777)) < 0) {
+        send_err(id, errno, "chmod");
+        goto done;
+    }
+    if (flags & 2) {
+        struct timespec ts[2] = {{.tv_sec = (time_t)(ns / 1000000000u), .tv_nsec = (long)(ns % 1000000000u)}};
+
+        ts[1] = ts[0];
+        if (utimensat(AT_FDCWD, proc, ts, 0) < 0) {
+            send_err(id, errno, "utimensat");
+            goto done;
+        }
+    }
+    begin(&out, A_OK, id);
+    send_msg(&out);
+done:
+    if (fd >= 0)
+        close(fd);
+    free(path);
+}
+
 /* Remove name in dfd, a whole tree if recursive; counts entries removed. */
 static int remove_at(int dfd, const char *name, int recursive, uint64_t *count)
 {
@@ -4099,6 +4147,7 @@ static void dispatch(uint8_t type, uint32_t id, const unsigned char *body, size_
     case M_MKDIR: do_mkdir(id, &r); break;
     case M_REMOVE: do_remove(id, &r); break;
     case M_RENAME: do_rename(id, &r); break;
+    case M_SETATTR: do_setattr(id, &r); break;
     case M_NET: do_net(id, &r); break;
     case M_TAR: do_tar(id, &r); break;
     case M_PING:

@@ -237,7 +237,8 @@ class DirCopyService:
                 if req.temporary and self.hold_vm_temporary is not None:
                     release = self.hold_vm_temporary(sb.id, req.path, ctx, True)
                 try:
-                    out = await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes, owner)
+                    out = await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes, owner,
+                                                 self.max_chunk if req.dirs else 0)
                     if release is not None and self.journal_vm_temporary is not None:
                         await self.journal_vm_temporary(sb, req.path)
                     return out
@@ -269,8 +270,10 @@ class DirCopyService:
             root = sb.root_copy()
             work = asyncio.ensure_future(self.workers.run(
                 fds.call_closing, root, functools.partial(userns.file_op, owner=owner),
-                userns.IdMap.from_record(sb.idmap), tarcopy.put_tree, root, req.path, pipe, self.max_entries,
-                self.max_bytes, self._filler(sb, where), self._recorder(sb, records, hold, landed)))
+                userns.IdMap.from_record(sb.idmap),
+                functools.partial(tarcopy.put_tree, dirs=self.max_chunk if req.dirs else 0), root,
+                req.path, pipe, self.max_entries, self.max_bytes, self._filler(sb, where),
+                self._recorder(sb, records, hold, landed)))
             try:
                 return await asyncio.shield(work)
             except asyncio.CancelledError:

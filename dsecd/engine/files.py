@@ -44,7 +44,7 @@ VM_SWEEP_TIMEOUT_S = 30.0
 
 class FileService:
     """`file_read`, `file_write`, `file_list`, `file_stat`, `file_mkdir`,
-    `file_remove`, `file_rename`. `ensure_running(sb,
+    `file_remove`, `file_rename`, `file_set_attrs`. `ensure_running(sb,
     why)` resumes a paused sandbox first (the memory service's); `max_chunk`
     is limits.max_file_chunk_bytes, the most one request moves;
     `copy_by_init` starts a sandbox's copier."""
@@ -260,6 +260,15 @@ class FileService:
                                   req.keep_attrs)
         self._drop_temp(req, req.src)
         return out
+
+    async def set_attrs(self, req, ctx) -> dict:
+        if req.mode is None and req.mtime is None:
+            raise BadRequest(f"set attributes of {req.sandbox}:{req.path}: give mode, mtime or both",
+                             {"path": req.path})
+        if req.mode is not None and not 0 <= req.mode <= 0o7777:
+            raise BadRequest(f"mode must be in [0, 0o7777], got {req.mode:#o}")
+        return await self._file_op(req, "set attributes of", sbfiles.set_attrs, req.path, req.mode, req.mtime,
+                                   req.follow)
 
     def temporaries(self, sb_id: str) -> list[str]:
         """The paths of sandbox sb_id that clients are writing under a

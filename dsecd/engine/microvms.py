@@ -55,7 +55,7 @@ from ..errors import (
     io_error,
 )
 from ..execio import DEFAULT_WINDOW, RunTimer, _decode_status, ended
-from ..fs import erofs, uppertar, users
+from ..fs import erofs, tarcopy, uppertar, users
 from ..fs import files as sbfiles
 from ..fs.layers import distinct_layers
 from ..mem import pause as mempause
@@ -817,11 +817,12 @@ class MicroVMService:
         raise self._copy_failed("copy out of", where, code, reports, max_entries, max_bytes)
 
     async def tar_put(self, sb: Sandbox, path: str, pipe, max_entries: int, max_bytes: int,
-                      owner: tuple[int, int] | None = None) -> dict:
+                      owner: tuple[int, int] | None = None, dirs: int = 0) -> dict:
         """file_tar_put: the client's tar (`pipe`, a dircopies.ChunkPipe) is
         read and checked here (dsecd/tarsafe.py, in a worker) and its entries
         sent as records to a child of the guest agent that makes them under a
-        new directory and renames it into place (agent.c, tar_put_main). A
+        new directory and renames it into place (agent.c, tar_put_main).
+        `dirs`: the budget of tarcopy.dir_entries (0: not listed). A
         refused or broken copy leaves nothing: the child removes what it made
         when its input ends before the end record."""
         path = _check(path, f"copy into {sb.id}:{path}")
@@ -871,7 +872,10 @@ class MicroVMService:
         except Exception as err:
             failed = err
         if code == 0 and "done" in reports and seen is not None:
-            return {"path": path, "count": seen.entries, "bytes": seen.bytes}
+            out = {"path": path, "count": seen.entries, "bytes": seen.bytes}
+            if dirs:
+                out["dirs"] = tarcopy.dir_entries(seen, dirs)
+            return out
         if isinstance(failed, tarsafe.Refused):
             raise BadRequest(f"copy into {where}: {failed}", {"path": where}) from failed
         if isinstance(failed, tarsafe.TooLarge):
@@ -1185,6 +1189,25 @@ class MicroVMService:
             r = await self._file(sb, "mkdir", path, wire.MKDIR, wire.bstr(path), wire.u64(1 if req.parents else 0),
                                  wire.u64(req.mode), *owner_fields)
             return {"path": path, "created": bool(r.u64())}
+        if op == "file_set_attrs":
+            version = self.agent(sb).agent_version
+            if version < wire.ATTRS_AGENT_VERSION:
+                raise Unsupported(f"set attributes of {sb.id}:{path}: this microVM's guest agent (version "
+                                  f"{version}) cannot set a file's mode or mtime (version "
+                                  f"{wire.ATTRS_AGENT_VERSION} can)", {"sandbox": sb.id, "agent_version": version})
+            flags = ((wire.SETATTR_MODE if req.mode is not None else 0)
+                     | (wire.SETATTR_MTIME if req.mtime is not None else 0)
+                     | (wire.SETATTR_FOLLOW if req.follow else 0))
+            try:
+                await self._file(sb, "set attributes of", path, wire.SETATTR, wire.bstr(path), wire.u64(flags),
+                                 wire.u64(req.mode or 0), wire.u64(max(0, int((req.mtime or 0) * 1e9))))
+            except DsecError as err:
+                if err.detail.get("guest_step") != "not a file or directory":
+                    raise
+                kind = (await self.stat_path(sb, path))["type"]
+                raise BadRequest(f"set attributes of {sb.id}:{path}: {path} is a {kind}, not a file or "
+                                 "directory", {"path": path}) from err
+            return {"path": path}
         if op == "file_remove":
             _refuse_root("remove", f"{sb.id}:{path}", path)
             r = await self._file(sb, "remove", path, wire.REMOVE, wire.bstr(path),
@@ -1352,6 +1375,7 @@ def networked(sb: Sandbox) -> bool:
 
 # The verb a file op's errors start with, as FileService's for a container.
 FILE_VERBS = {"file_read": "read", "file_write": "write", "file_list": "list", "file_mkdir": "mkdir",
+              "file_set_attrs": "set attributes of",
               "file_remove": "remove"}
 
 

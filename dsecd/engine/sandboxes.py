@@ -34,7 +34,8 @@ from ..journal import Journal
 # The ops a microVM sandbox serves (dsecd/engine/microvms.py); the others are
 # `unsupported` for it until the backend grows them.
 MICROVM_OPS = frozenset({"inspect", "destroy", "exec", "file_read", "file_write", "file_list", "file_stat",
-                         "file_mkdir", "file_remove", "file_rename", "file_watch", "file_tar_get", "file_tar_put",
+                         "file_mkdir", "file_remove", "file_rename", "file_set_attrs", "file_watch", "file_tar_get",
+                         "file_tar_put",
                          "pause", "resume", "net_show", "net_set", "net_publish", "net_unpublish", "snapshot",
                          "proc_start", "proc_list", "proc_logs", "proc_input", "proc_kill", "proc_wait"})
 

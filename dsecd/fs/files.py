@@ -310,6 +310,34 @@ def make_dir(rootfd: int, path: str, parents: bool, mode: int) -> dict:
         os.close(pfd)
 
 
+def set_attrs(rootfd: int, path: str, mode: int | None, mtime: float | None, follow: bool = False) -> dict:
+    """chmod `path` to `mode` and/or set its modification and access times
+    to `mtime`: a regular file or a directory, on an ordinary filesystem.
+    Its last name is not followed unless `follow` (a symlink is refused:
+    its target is set by its own path); all resolve inside the sandbox."""
+    path = check_path(path)
+    fd = _open(rootfd, path, os.O_PATH | (0 if follow else os.O_NOFOLLOW))
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            raise PathError(f"{path} is a {_type_of(st.st_mode)}, not a file or directory" +
+                            (": set its target's attributes by the target's own path" if stat.S_ISLNK(st.st_mode)
+                             else ""))
+        kind = native.KERNEL_FS_MAGICS.get(native.fs_magic(fd, path))
+        if kind is not None:
+            raise PathError(f"{path} is on {kind}, a kernel interface, not an ordinary file")
+        # An O_PATH fd names the inode opened: no path is resolved again.
+        proc = f"/proc/self/fd/{fd}"
+        if mode is not None:
+            os.chmod(proc, mode & 0o7777)
+        if mtime is not None:
+            ns = int(mtime * 1e9)
+            os.utime(proc, ns=(ns, ns))
+        return {"path": path}
+    finally:
+        os.close(fd)
+
+
 def remove(rootfd: int, path: str, recursive: bool, stop: threading.Event | None = None) -> dict:
     """rm (-r with `recursive`). A symlink is removed, never followed, at any
     depth: what a sandbox points elsewhere is not the daemon's to delete.

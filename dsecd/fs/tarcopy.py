@@ -44,11 +44,13 @@ READ = 1 << 20
 
 # ---------------------------------------------------------------- into the sandbox
 
-def put_tree(rootfd: int, dst: str, fileobj, max_entries: int, max_bytes: int, fill=None, made=None) -> dict:
+def put_tree(rootfd: int, dst: str, fileobj, max_entries: int, max_bytes: int, fill=None, made=None,
+             dirs: int = 0) -> dict:
     """Extract the tar read from `fileobj` as the new directory `dst`; the
     bytes of its files are written by fill(fd, chunks, size=) (see
     files.write_regular). made(path, stat) is told the temporary directory
-    it extracts into, once made."""
+    it extracts into, once made. With `dirs` (a budget of bytes), the
+    result lists the archive's directory entries too (dir_entries)."""
     dst = check_path(dst)
     if dst == "/":
         raise PathError("cannot copy a directory onto /; name a new directory below it")
@@ -66,8 +68,11 @@ def put_tree(rootfd: int, dst: str, fileobj, max_entries: int, max_bytes: int, f
         try:
             if made is not None:
                 made(f"{parent.rstrip('/')}/{tmp}", os.stat(tmp, dir_fd=pfd, follow_symlinks=False))
-            counts = _extract_into(pfd, tmp, fileobj, tarsafe.Seen(max_entries, max_bytes), fill)
+            seen = tarsafe.Seen(max_entries, max_bytes)
+            counts = _extract_into(pfd, tmp, fileobj, seen, fill)
             libc.rename_noreplace(pfd, tmp, pfd, name)
+            if dirs:
+                counts["dirs"] = dir_entries(seen, dirs)
         except BaseException:
             _remove_at(pfd, tmp, True, f"{parent.rstrip('/')}/{tmp}")
             raise
@@ -93,6 +98,16 @@ class _Head:
         if len(self.head) < 8:
             self.head += data[:8 - len(self.head)]
         return data
+
+
+def dir_entries(seen: tarsafe.Seen, budget: int) -> list[list] | None:
+    """A put's `dirs`: the archive's directory entries, [name, mode, mtime]
+    each (the top ""), as a client merging the copy sets them; None when
+    their names take more than `budget` bytes (a result must fit in a
+    frame: the put itself stands, the client is told they are not listed)."""
+    if sum(len(rel.encode(errors="surrogateescape")) + 32 for rel in seen.dir_entries) > budget:
+        return None
+    return [[rel, mode, mtime] for rel, (mode, mtime) in sorted(seen.dir_entries.items())]
 
 
 def _extract_into(pfd: int, tmp: str, fileobj, seen: tarsafe.Seen, fill) -> dict:

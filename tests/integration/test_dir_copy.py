@@ -649,3 +649,63 @@ def test_cli_cp_stdin_a_name_that_comes_again_is_the_later_one(daemon, box):
     got = box.exec(["sh", "-c", "cat /work/in/keep /work/in/d/f; stat -c %a /work/in/keep"]).stdout
     assert got.split() == [b"newer", b"f", b"600"]
     assert leftovers(box, "/work/in") == []
+
+
+def test_cli_cp_stdin_sets_the_modes_and_mtimes_of_directories_it_merges_into(daemon, box):
+    """GNU tar as root (--overwrite-dir, its default) gives a directory that
+    exists the mode and mtime of the archive's entry for it, "." included
+    (docker cp does so below "."); one the archive has no entry for keeps
+    its own."""
+    box.exec(["sh", "-c", "mkdir -m 700 /work/in/sub /work/in/bare && chmod 711 /work/in/bare && "
+                          "echo old > /work/in/sub/old && chmod 755 /work/in"])
+    data = tar_of(({"name": ".", "type": tarfile.DIRTYPE, "mode": 0o750, "mtime": 1_000_000}, None),
+                  ({"name": "sub", "type": tarfile.DIRTYPE, "mode": 0o1777, "mtime": 2_000_000}, None),
+                  ({"name": "sub/new", "mtime": 3_000_000}, b"new\n"),
+                  ({"name": "bare/f"}, b"f\n")).getvalue()
+    r = daemon.cli("cp", "-", f"{box.id}:/work/in", input=data)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    got = box.exec(["sh", "-c", "stat -c '%a %Y' /work/in /work/in/sub /work/in/bare; cat /work/in/sub/old"])
+    lines = got.stdout.decode().splitlines()
+    assert lines[:2] == ["750 1000000", "1777 2000000"] and lines[2].startswith("711 ") and lines[3] == "old"
+    assert leftovers(box, "/work/in") == []
+
+
+def test_set_attrs_sets_a_files_or_directorys_mode_and_mtime_and_follows_no_symlink(sandbox):
+    sandbox.exec(["sh", "-c", "mkdir -p /work/d && echo x > /work/f && ln -s f /work/l"])
+    assert sandbox.set_attrs("/work/f", mode=0o600, mtime=1_500_000_000)["path"] == "/work/f"
+    sandbox.set_attrs("/work/d", mode=0o1750)
+    sandbox.set_attrs("/work/d", mtime=1_600_000_000.5)
+    got = sandbox.exec(["stat", "-c", "%a %Y", "/work/f", "/work/d"]).stdout.decode().split("\n")
+    assert got[:2] == ["600 1500000000", "1750 1600000000"]
+    with pytest.raises(BadRequest, match="/work/l is a symlink, not a file or directory"):
+        sandbox.set_attrs("/work/l", mode=0o777)
+    sandbox.set_attrs("/work/l", mode=0o640, follow=True)          # what it leads to
+    with pytest.raises(NotFound):
+        sandbox.set_attrs("/work/missing", mode=0o777)
+    with pytest.raises(BadRequest, match="give mode, mtime or both"):
+        sandbox.set_attrs("/work/f")
+    assert sandbox.exec(["stat", "-c", "%a", "/work/f"]).stdout == b"640\n"
+
+
+def test_cli_cp_stdin_into_a_symlink_to_a_directory_sets_the_directorys(daemon, box):
+    """As tar -C follows a symlink to the directory it extracts into."""
+    box.exec(["sh", "-c", "ln -s in /work/ln && chmod 755 /work/in"])
+    data = tar_of(({"name": ".", "type": tarfile.DIRTYPE, "mode": 0o750, "mtime": 1_000_000}, None),
+                  ({"name": "new"}, b"new\n")).getvalue()
+    r = daemon.cli("cp", "-", f"{box.id}:/work/ln", input=data)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    got = box.exec(["sh", "-c", "stat -c '%a %Y' /work/in; readlink /work/ln; cat /work/in/new"]).stdout
+    assert got.decode().split("\n")[:3] == ["750 1000000", "in", "new"]
+
+
+def test_cli_cp_stdin_sets_a_directory_whose_name_is_not_utf8(daemon, box):
+    """The put lists such a name as bytes (as a listing gives it): it is
+    still the directory the merge sets."""
+    name = os.fsdecode(b"\xff-dir")
+    box.exec(["sh", "-c", "mkdir \"/work/in/$(printf '\\377-dir')\""])
+    data = tar_of(({"name": name, "type": tarfile.DIRTYPE, "mode": 0o750, "mtime": 1_000_000}, None),
+                  ({"name": f"{name}/f"}, b"f\n")).getvalue()
+    r = daemon.cli("cp", "-", f"{box.id}:/work/in", input=data)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    got = box.exec(["sh", "-c", "stat -c '%a %Y' \"/work/in/$(printf '\\377-dir')\""]).stdout
+    assert got == b"750 1000000\n"

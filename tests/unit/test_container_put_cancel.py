@@ -70,7 +70,7 @@ def test_a_second_cancel_keeps_the_put_and_its_record_until_its_worker_is_done(t
 
     async def go():
         workers.loop = asyncio.get_running_loop()
-        req = SimpleNamespace(sandbox="sb1", path=PARTIAL, temporary=False, owner=None)
+        req = SimpleNamespace(sandbox="sb1", path=PARTIAL, temporary=False, owner=None, dirs=False)
         put = asyncio.create_task(svc.put(req, Ctx()))
         try:
             await _until(lambda: made.is_set() and temps.load())
@@ -100,7 +100,7 @@ def test_a_put_whose_worker_outlasts_its_wait_keeps_its_record_until_the_worker_
 
     async def go():
         workers.loop = asyncio.get_running_loop()
-        req = SimpleNamespace(sandbox="sb1", path=PARTIAL, temporary=False, owner=None)
+        req = SimpleNamespace(sandbox="sb1", path=PARTIAL, temporary=False, owner=None, dirs=False)
         put = asyncio.create_task(svc.put(req, Ctx()))
         try:
             await _until(lambda: made.is_set() and temps.load())
@@ -126,7 +126,7 @@ def test_a_put_whose_worker_outlasts_its_wait_counts_as_running_until_the_worker
 
     async def go():
         workers.loop = asyncio.get_running_loop()
-        req = SimpleNamespace(sandbox="sb1", path=PARTIAL, temporary=False, owner=None)
+        req = SimpleNamespace(sandbox="sb1", path=PARTIAL, temporary=False, owner=None, dirs=False)
         put = asyncio.create_task(svc.put(req, Ctx()))
         try:
             await _until(lambda: made.is_set() and temps.load())

@@ -97,3 +97,86 @@ def test_read_only_copied_directories_do_not_stop_a_non_root_merge(tmp_path):
     finally:
         if base != tmp_path:
             shutil.rmtree(base)
+
+
+class _FakeSandbox:
+    """A sandbox's file requests over a local directory, in the order they come."""
+
+    def __init__(self, top, attrs_unsupported: bool = False):
+        self.top = str(top)
+        self.calls: list[tuple] = []
+        self.attrs_unsupported = attrs_unsupported
+
+    def _local(self, path: str) -> str:
+        return self.top + path
+
+    async def list_files(self, path: str):
+
+        with os.scandir(self._local(path)) as it:
+            entries = [{"name": e.name, "type": "dir" if e.is_dir(follow_symlinks=False) else "file"} for e in it]
+        return _Listing(entries)
+
+    async def rename(self, src: str, dst: str, overwrite: bool = False):
+        self.calls.append(("rename", src, dst))
+        os.rename(self._local(src), self._local(dst))
+
+    async def remove(self, path: str, recursive: bool = False):
+        self.calls.append(("remove", path))
+        shutil.rmtree(self._local(path))
+
+    async def set_attrs(self, path: str, mode=None, mtime=None, follow=False):
+        from dsecd.errors import Unsupported
+
+        if self.attrs_unsupported:
+            raise Unsupported("this microVM's guest agent (version 6) cannot set a file's mode or mtime")
+        self.calls.append(("set_attrs", path, mode, mtime))
+        os.chmod(self._local(path), mode)
+        os.utime(self._local(path), (mtime, mtime))
+
+
+class _Listing(list):
+    truncated = False
+
+
+def test_directories_merged_into_take_their_entries_mode_and_mtime_once_the_landing_is_gone(tmp_path):
+    """GNU tar sets an existing directory's mode and mtime from the
+    archive's entry for it, after what goes into it: the landing's removal
+    (from the top) comes first, or it would change the top's mtime."""
+    _tree(tmp_path / "dst", {"d": {"old": "o"}, "bare": {}, ".land": {"d": {"new": "n"}, "bare": {"f": "f"},
+                                                                      "fresh": {"x": "x"}}})
+    os.chmod(tmp_path / "dst" / "bare", 0o711)
+    sb = _FakeSandbox(tmp_path)
+    dirs = [["", 0o750, 1_000_000], ["d", 0o1777, 2_000_000], ["fresh", 0o700, 3_000_000]]
+    asyncio.run(cpmerge.into_sandbox(sb, "/dst/.land", "/dst", dirs))
+    removed = sb.calls.index(("remove", "/dst/.land"))
+    sets = sorted(c for c in sb.calls if c[0] == "set_attrs")
+    assert sets == [("set_attrs", "/dst", 0o750, 1_000_000), ("set_attrs", "/dst/d", 0o1777, 2_000_000)]
+    assert all(sb.calls.index(c) > removed for c in sets)
+    st = {n: os.stat(tmp_path / "dst" / n) for n in ("", "d", "bare")}
+    assert [(oct(st[n].st_mode & 0o7777), st[n].st_mtime) for n in ("", "d")] == [("0o750", 1_000_000),
+                                                                                 ("0o1777", 2_000_000)]
+    assert st["bare"].st_mode & 0o7777 == 0o711          # no entry for it: its own
+    assert not (tmp_path / "dst" / ".land").exists() and _read(tmp_path / "dst" / "d") == {"old": "o", "new": "n"}
+
+
+def test_a_sandbox_that_cannot_set_them_merges_all_the_same_and_says_so():
+    notes: list[str] = []
+    with tempfile.TemporaryDirectory() as top:
+        _tree(Path(top) / "dst", {"d": {}, ".land": {"d": {"new": "n"}}})
+        sb = _FakeSandbox(top, attrs_unsupported=True)
+        asyncio.run(cpmerge.into_sandbox(sb, "/dst/.land", "/dst", [["d", 0o700, 1]], notes.append))
+        assert _read(Path(top) / "dst") == {"d": {"new": "n"}}
+    assert notes == ["the existing directories keep their modes and mtimes: this microVM's guest agent "
+                     "(version 6) cannot set a file's mode or mtime"]
+
+
+def test_a_put_with_too_many_directories_to_list_merges_and_says_they_keep_theirs():
+    notes: list[str] = []
+    with tempfile.TemporaryDirectory() as top:
+        _tree(Path(top) / "dst", {"d": {}, ".land": {"d": {"new": "n"}}})
+        sb = _FakeSandbox(top)
+        asyncio.run(cpmerge.into_sandbox(sb, "/dst/.land", "/dst", None, notes.append))
+        assert _read(Path(top) / "dst") == {"d": {"new": "n"}}
+        assert not [c for c in sb.calls if c[0] == "set_attrs"]
+    assert notes == ["the tar names more directories than one result lists: the existing directories keep "
+                     "their modes and mtimes"]

@@ -25,7 +25,7 @@ class GuestFiles:
         self.paths: set[str] = set()
         self.made = asyncio.Event()
 
-    async def tar_put(self, sb, path, pipe, max_entries, max_bytes, owner):
+    async def tar_put(self, sb, path, pipe, max_entries, max_bytes, owner, dirs=False):
         self.paths.add(path)
         self.made.set()
         await asyncio.Event().wait()
@@ -77,7 +77,7 @@ async def _put_under_way():
                             journal_vm_temporary=files.journal_vm_temporary,
                             end_vm_temporary=files.end_vm_temporary)
     ctx = Ctx()
-    req = SimpleNamespace(sandbox="sb1", path=LANDING, temporary=True, owner=None)
+    req = SimpleNamespace(sandbox="sb1", path=LANDING, temporary=True, owner=None, dirs=False)
     put = asyncio.create_task(copies.put(req, ctx))
     await guest.made.wait()
     return sb, guest, ctx, put

@@ -19,6 +19,9 @@ RESIZE = 21
 PROC_START, PROC_LIST, PROC_ATTACH, PROC_INPUT, PROC_KILL, PROC_FORGET = 22, 23, 24, 25, 26, 27
 # an exec's output flow control: u64 OUT data bytes the host has taken of it, in all (EXEC_WINDOW)
 CREDIT = 28
+# a file's or directory's mode and/or mtime (file_set_attrs): path, flags (SETATTR_*), mode, mtime ns
+SETATTR = 29
+SETATTR_MODE, SETATTR_MTIME, SETATTR_FOLLOW = 1, 2, 4
 DISCARD_ALL = 2**64 - 1     # a CREDIT's count saying: the host drops the rest, send it without a window
 # guest -> host
 READY, STARTED, OUT, EXITED, OK, ERR, DATA, TAKEN = 101, 102, 103, 104, 105, 106, 107, 108
@@ -42,6 +45,9 @@ OWNER_AGENT_VERSION = 5
 # a later entry replaces (its r record); with an older one such an archive
 # is refused (engine/microvms.py _put_records).
 REPLACE_AGENT_VERSION = 6
+# The version from which it takes SETATTR; an older one answers ENOSYS:
+# such a request is refused (MicroVMService._file_op).
+ATTRS_AGENT_VERSION = 7
 TRACE_FD = 3
 WRITE_APPEND, WRITE_KEEP, WRITE_PARENTS = 1, 2, 4
 RENAME_OVERWRITE, RENAME_KEEP_ATTRS = 1, 2
