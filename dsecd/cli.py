@@ -1544,11 +1544,15 @@ async def _cp_merged(a, sb, src: str, dst: str, upload: bool, tar: AsyncIterator
             if tar is not None:
                 r = await sb.upload_tar(tar, held, temporary=True, owner=a.owner, dirs=True)
             else:
-                r = await sb.upload_dir(src, held, temporary=True, owner=a.owner)
+                r = await sb.upload_dir(src, held, temporary=True, owner=a.owner, dirs=True)
         except DsecError as err:            # named as the user named it, not by the landing
             raise named_as(err, held, dst) from None
+        dirs = r.pop("dirs", ())
+        if tar is None and _contents_of(src) and dirs:
+            # As docker cp: SRC/. gives DST its contents, not SRC's own mode and mtime.
+            dirs = [entry for entry in dirs if entry[0]]
         try:
-            replaced = await cpmerge.into_sandbox(sb, held, dst, r.pop("dirs", ()),
+            replaced = await cpmerge.into_sandbox(sb, held, dst, dirs,
                                                   lambda text: print(f"dsec cp: {text}", file=sys.stderr))
         except BaseException:
             with contextlib.suppress(DsecError, ConnectionError):    # keep the error that got us here

@@ -2617,7 +2617,7 @@ class Sandbox:
         return _paths(await self.client.request("file_set_attrs", sandbox=self.id, path=path, **args))
 
     async def upload_dir(self, local: str, remote: str, temporary: bool = False,
-                         owner: int | str | None = None) -> dict:
+                         owner: int | str | None = None, dirs: bool = False) -> dict:
         """Copy local directory `local` as the new directory `remote` in the
         sandbox (which must not exist), as a tar stream: symlinks stay
         symlinks, modes and mtimes are kept, every entry belongs to `owner`
@@ -2627,11 +2627,11 @@ class Sandbox:
         anything is sent. With `temporary`, `remote` is a landing place this
         client renames or removes later: in a container, the daemon removes
         it if this client's connection closes first. Result: path, count
-        (entries), bytes."""
+        (entries), bytes; with `dirs`, its directories too (as upload_tar's)."""
         with tempfile.TemporaryFile() as spool:
             await asyncio.to_thread(localcopy.pack, local, spool)
             spool.seek(0)
-            return await self.upload_tar(spool, remote, temporary, owner)
+            return await self.upload_tar(spool, remote, temporary, owner, dirs)
 
     async def upload_tar(self, fileobj, remote: str, temporary: bool = False,
                          owner: int | str | None = None, dirs: bool = False) -> dict:

@@ -110,8 +110,9 @@ class SyncSandbox:
     def set_attrs(self, path: str, **kw) -> dict:
         return self._run(self._sb.set_attrs(path, **kw))
 
-    def upload_dir(self, local: str, remote: str, temporary: bool = False, owner: int | str | None = None) -> dict:
-        return self._run(self._sb.upload_dir(local, remote, temporary, owner))
+    def upload_dir(self, local: str, remote: str, temporary: bool = False, owner: int | str | None = None,
+                   dirs: bool = False) -> dict:
+        return self._run(self._sb.upload_dir(local, remote, temporary, owner, dirs))
 
     def upload_tar(self, fileobj, remote: str, temporary: bool = False, owner: int | str | None = None,
                    dirs: bool = False) -> dict:

@@ -709,3 +709,24 @@ def test_cli_cp_stdin_sets_a_directory_whose_name_is_not_utf8(daemon, box):
     assert r.returncode == 0 and r.stderr == b"", r.stderr
     got = box.exec(["sh", "-c", "stat -c '%a %Y' \"/work/in/$(printf '\\377-dir')\""]).stdout
     assert got == b"750 1000000\n"
+
+
+def test_cli_cp_recursive_into_a_directory_gives_those_it_merges_into_the_sources_modes(daemon, box, tmp_path):
+    """docker cp gives a directory that exists the mode and mtime of the
+    source's directory of that name (but the destination's own, where
+    DIR/. copies the contents)."""
+    src = tmp_path / "in"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "f").write_bytes(b"f\n")
+    os.chmod(src / "sub", 0o750)
+    os.utime(src / "sub", (1_000_000, 1_000_000))
+    os.chmod(src, 0o700)
+    box.exec(["sh", "-c", "mkdir -m 711 /work/in/sub && chmod 755 /work/in"])
+    r = daemon.cli("cp", "-r", f"{src}/.", f"{box.id}:/work/in")
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    assert box.exec(["stat", "-c", "%a", "/work/in", "/work/in/sub"]).stdout == b"755\n750\n"
+    assert box.exec(["stat", "-c", "%Y", "/work/in/sub"]).stdout == b"1000000\n"
+    r = daemon.cli("cp", "-r", str(src), f"{box.id}:/work")                 # /work/in is its namesake
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    assert box.exec(["stat", "-c", "%a", "/work/in"]).stdout == b"700\n"
+    assert leftovers(box, "/work/in") == [] and leftovers(box) == []
