@@ -1562,10 +1562,14 @@ async def _cp_merged(a, sb, src: str, dst: str, upload: bool, tar: AsyncIterator
         held = os.path.join(dst, landing)
         r = await sb.download_dir(src, held)
         try:
+            # As docker cp: SRC/. gives DST its contents, not SRC's own mode and mtime.
+            st = os.lstat(held)
+            top = None if _contents_of(src) else (stat.S_IMODE(st.st_mode), st.st_mtime_ns)
             os.chmod(held, 0o700)        # it has SRC's mode, which may not let us move entries out
-            replaced = await cpmerge.into_local(held, dst)
-        finally:
+            replaced = await cpmerge.into_local(held, dst, top)
+        except BaseException:
             shutil.rmtree(held, ignore_errors=True)
+            raise
     if a.json:
         _print_json({**r, "path": dst if upload else r["path"], "sandbox": sb.id,
                      "local": src if upload else dst, "replaced": replaced})

@@ -19,6 +19,7 @@ import asyncio
 import errno
 import os
 import posixpath
+import shutil
 import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -123,20 +124,36 @@ async def into_sandbox(sb, landing: str, dst: str, dirs: list | None = (),
     return sum(m.replace for m in moves)
 
 
-async def into_local(landing: str, dst: str) -> int:
-    """Merge the local directory `landing` into the local directory `dst`;
-    returns how many names were replaced."""
+async def into_local(landing: str, dst: str, top: tuple[int, int] | None = None) -> int:
+    """Merge the local directory `landing` into the local directory `dst`,
+    then remove what is left of `landing`; returns how many names were
+    replaced. On a failure `landing` stays, for the caller to remove.
+
+    A directory dst held already takes the mode and mtime of the copy's
+    directory of that name once the moves into it are done, as docker cp
+    gives them (and as into_sandbox does); `top`: (mode, mtime in ns) for
+    `dst` itself, the copied directory's (None: dst keeps its own, as
+    SRC/. copies only the contents). The landing (inside dst, or below it)
+    goes first: its removal would change the mtime of the directory that
+    holds it."""
 
     async def list_dir(path: str) -> dict[str, bool]:
         with os.scandir(path) as it:
             return {e.name: e.is_dir(follow_symlinks=False) for e in it}
 
-    moves = await plan(list_dir, os.path.join, landing, dst)
+    merged: list[tuple[str, str]] = []
+    moves = await plan(list_dir, os.path.join, landing, dst, merged)
+    # Read before the moves, which change the mtime of each they leave.
+    sets = [(dst, *top)] if top is not None else []
+    for src_dir, dst_dir in merged:
+        if src_dir != landing:
+            st = os.lstat(src_dir)
+            sets.append((dst_dir, stat.S_IMODE(st.st_mode), st.st_mtime_ns))
     # The copied directories keep their modes (0555, say), which would not
     # let a user other than root move entries out of them, nor move them (a
     # directory's move rewrites its ".."): writable for the move, then as
     # they came.
-    for d in {os.path.dirname(m.src) for m in moves}:
+    for d in {os.path.dirname(m.src) for m in moves} | {src_dir for src_dir, _ in merged}:
         os.chmod(d, 0o700)
     for m in moves:
         st = os.lstat(m.src)
@@ -149,4 +166,9 @@ async def into_local(landing: str, dst: str) -> int:
             rename_noreplace(AT_FDCWD, m.src, AT_FDCWD, m.dst)      # relative paths are the cwd's
         if locked:
             os.chmod(m.dst, stat.S_IMODE(st.st_mode))
+    shutil.rmtree(landing)
+    # Deepest first: a directory made unreadable must not stop those below it.
+    for path, mode, mtime_ns in sorted(sets, key=lambda s: -s[0].count(os.sep)):
+        os.chmod(path, mode)
+        os.utime(path, ns=(mtime_ns, mtime_ns))
     return sum(m.replace for m in moves)

@@ -730,3 +730,24 @@ def test_cli_cp_recursive_into_a_directory_gives_those_it_merges_into_the_source
     assert r.returncode == 0 and r.stderr == b"", r.stderr
     assert box.exec(["stat", "-c", "%a", "/work/in"]).stdout == b"700\n"
     assert leftovers(box, "/work/in") == [] and leftovers(box) == []
+
+
+def test_cli_cp_recursive_out_of_a_sandbox_gives_those_it_merges_into_the_sources_modes(daemon, box, tmp_path):
+    """The same out of a sandbox: a local directory that exists takes the
+    mode and mtime of the sandbox's directory of that name (the local top
+    keeps its own where SB:DIR/. copies the contents)."""
+    box.exec(["sh", "-c", "mkdir -p /work/in/sub && echo f > /work/in/sub/f && chmod 750 /work/in/sub && "
+                          "touch -d @1000000 /work/in/sub && chmod 700 /work/in && touch -d @2000000 /work/in"])
+    dst = tmp_path / "in"
+    (dst / "sub").mkdir(parents=True)
+    os.chmod(dst / "sub", 0o711)
+    os.chmod(dst, 0o755)
+    r = daemon.cli("cp", "-r", f"{box.id}:/work/in/.", str(dst))
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    assert (dst / "sub" / "f").read_bytes() == b"f\n"
+    assert stat.S_IMODE(os.stat(dst).st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(dst / "sub").st_mode) == 0o750 and os.stat(dst / "sub").st_mtime == 1_000_000
+    r = daemon.cli("cp", "-r", f"{box.id}:/work/in", str(tmp_path))               # tmp_path/in is its namesake
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    assert stat.S_IMODE(os.stat(dst).st_mode) == 0o700 and os.stat(dst).st_mtime == 2_000_000
+    assert [n for n in os.listdir(dst) if n.startswith(".dsec-")] == []

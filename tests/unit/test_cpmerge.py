@@ -33,7 +33,26 @@ def test_new_names_move_whole_shared_dirs_merge_files_replace(tmp_path):
     assert replaced == 2
     assert _read(tmp_path / "dst") == {"a": "new", "only-dst": "k", "n": {"m": "m"},
                                        "d": {"x": "new-x", "keep": "k", "y": "y", "deep": {"z": "z"}}}
-    assert _read(tmp_path / "land") == {"d": {}}       # what was merged into stays for the caller to remove
+    assert not (tmp_path / "land").exists()            # what was merged into goes once merged
+
+
+def test_directories_merged_into_take_the_copys_modes_and_mtimes(tmp_path):
+    """As docker cp gives them: a directory that exists takes the mode and
+    mtime of the copy's directory of that name; the top takes `top`, or
+    keeps its own (SRC/.)."""
+    _tree(tmp_path / "dst", {"d": {"keep": "k"}})
+    _tree(tmp_path / "land", {"d": {"f": "new"}})
+    os.chmod(tmp_path / "land" / "d", 0o750)
+    os.utime(tmp_path / "land" / "d", (1_000_000, 1_000_000))
+    os.chmod(tmp_path / "dst", 0o755)
+    asyncio.run(cpmerge.into_local(str(tmp_path / "land"), str(tmp_path / "dst")))
+    d = os.stat(tmp_path / "dst" / "d")
+    assert (d.st_mode & 0o7777, d.st_mtime) == (0o750, 1_000_000)
+    assert os.stat(tmp_path / "dst").st_mode & 0o7777 == 0o755
+    _tree(tmp_path / "land", {"d": {}})
+    asyncio.run(cpmerge.into_local(str(tmp_path / "land"), str(tmp_path / "dst"), (0o700, 2_000_000 * 10**9)))
+    top = os.stat(tmp_path / "dst")
+    assert (top.st_mode & 0o7777, top.st_mtime) == (0o700, 2_000_000)
 
 
 def test_relative_paths_merge(tmp_path, monkeypatch):
@@ -86,7 +105,8 @@ def test_read_only_copied_directories_do_not_stop_a_non_root_merge(tmp_path):
             asyncio.run(cpmerge.into_local(str(base / "land"), str(base / "dst")))
         else:                           # root ignores modes: run it as nobody
             base.chmod(0o755)
-            for p in base.rglob("*"):
+            # The landing's parent is the user's too (dsec cp puts it inside dst): it removes the landing.
+            for p in (base, *base.rglob("*")):
                 os.lchown(p, 65534, 65534)
             merge = (f"import asyncio; from dsecd import cpmerge; "
                      f"asyncio.run(cpmerge.into_local({str(base / 'land')!r}, {str(base / 'dst')!r}))")
