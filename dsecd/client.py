@@ -2746,11 +2746,13 @@ class Sandbox:
                             else:
                                 spool.write(frame["data"])
                     break
-                except ConnectionLost:
+                except ConnectionLost as err:
                     # Nothing of it has left the spool, and it changes nothing
                     # in the sandbox: on a client that reconnects (a daemon
-                    # restart), it goes again once, from the start.
-                    if again or not _reconnects(self.client):
+                    # restart), it goes again once, from the start. One never
+                    # sent found no daemon within reconnect_timeout: asked
+                    # again, it would wait as long once more.
+                    if again or not err.sent or not _reconnects(self.client):
                         raise
                     spool.seek(0)
                     spool.truncate()

@@ -338,3 +338,43 @@ def test_a_follower_whose_daemon_does_not_come_back_ends(tmp_path, follower):
     got, err = asyncio.run(asyncio.wait_for(go(), 30))
     assert "did not answer again within 0.3 s" in str(err), err
     assert len(got) == (0 if follower == "output" else 1)
+
+
+def test_a_directory_copy_out_whose_daemon_does_not_come_back_is_not_asked_again(tmp_path):
+    """download_dir asked again after any ConnectionLost, one never sent
+    too: a daemon that did not answer within reconnect_timeout was then
+    waited for a second reconnect_timeout before the copy failed."""
+    sock_path = str(tmp_path / "d.sock")
+    servers: list = []
+    conns: list = []
+
+    async def answer(f: dict, writer) -> bool:
+        conns.append(writer)
+        writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+        return False
+
+    async def go():
+        servers.append(await asyncio.start_unix_server(serving(answer), sock_path))
+        async with Client(sock_path, reconnect_timeout=0.2) as c:
+            await c.request("ping")
+            servers[0].close()                  # the daemon goes, for good
+            os.unlink(sock_path)
+            conns[0].transport.abort()
+            while c.connected:
+                await asyncio.sleep(0.01)
+            asked = []
+            frames = c.frames
+
+            def counted(op, **args):
+                asked.append(op)
+                return frames(op, **args)
+
+            c.frames = counted
+            with pytest.raises(ConnectionLost) as e:
+                await Sandbox(c, "sb", {}).download_dir("/work", str(tmp_path / "out"))
+            return asked, e.value
+
+    asked, err = asyncio.run(asyncio.wait_for(go(), 30))
+    assert not err.sent and "did not answer again" in str(err), err
+    assert asked == ["file_tar_get"]
+    assert not (tmp_path / "out").exists()
