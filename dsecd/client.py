@@ -1614,12 +1614,22 @@ class Client:
         recent history (replay), so that what the next daemon published
         before then (a sandbox found dead at its start) is not missed, and
         what came already passed over (by its time and `seq`: the next
-        daemon numbers from 1 again, later). No daemon runs meanwhile, so
-        none is missed unless the next daemon published more than its
-        history keeps (256) first."""
+        daemon numbers from 1 again, later), as is, without replay, what
+        the same daemon (reached again over ssh://) published before the
+        follow began (by its time then, which a ping asks first). No
+        daemon runs meanwhile, so none is missed unless the next daemon
+        published more than its history keeps (256) first."""
         # `follow` only when it differs from the default, which older daemons do not know.
         extra = {} if follow else {"follow": False}
         last: tuple[float, int] | None = None          # the (time, seq) of the last event given
+        if follow and not replay and _reconnects(self) and self.connected:
+            # Followed again, it asks for the history, and the same daemon
+            # (reached again over ssh://) has in it what came before this
+            # follow began: passed over by the daemon's time now. (Not
+            # connected, the request's own error says so.)
+            now = (await self.request("ping")).get("time")
+            if now is not None:
+                last = (now, 0)
         again = False
         gap = RECONNECT_GAP_S
         while True:

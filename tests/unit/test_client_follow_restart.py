@@ -199,18 +199,18 @@ def _ev(seq: int, at: float, kind: str = "paused") -> dict:
     return {"seq": seq, "time": at, "event": kind, "sandbox": "sb"}
 
 
-def _events_across(tmp_path, lives: list[list[dict]], **kwargs) -> tuple[list, list[dict]]:
+def _events_across(tmp_path, lives: list[list[dict]], now: float = 0.0, **kwargs) -> tuple[list, list[dict]]:
     """Client.events(**kwargs) while each of `lives` (the events one
     connection's request gets) is served in turn, every one but the last
     cut short by the daemon going; the last then ends the request. What
     events() gave (then the error that ended it, if any), and the args of
-    each events request."""
+    each events request. `now`: the daemon's time, as ping answers it."""
     sock_path = str(tmp_path / "d.sock")
     asked: list[dict] = []
 
     async def answer(f: dict, writer) -> bool:
         if f["op"] != "events":
-            writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {"time": now} if f["op"] == "ping" else {}}))
             return False
         asked.append(f["args"])
         for ev in lives[len(asked) - 1]:
@@ -257,6 +257,18 @@ def test_an_events_follower_of_the_same_daemon_gets_no_event_twice(tmp_path):
         [_ev(1, 1.0), _ev(2, 2.0), _ev(3, 3.0)],
     ], replay=True)
     assert got == [_ev(1, 1.0), _ev(2, 2.0), _ev(3, 3.0)]
+
+
+def test_an_events_follower_without_replay_gets_no_event_from_before_it_began(tmp_path):
+    """A connection lost while the daemon stays (an ssh:// link) before any
+    event came: the follow asked again with the daemon's history, and gave
+    all of it, events from before it began, as if they were new."""
+    got, asked = _events_across(tmp_path, [
+        [],
+        [_ev(1, 1.0, "destroyed"), _ev(2, 2.0, "created"), _ev(3, 6.0)],
+    ], now=5.0)
+    assert got == [_ev(3, 6.0)]
+    assert [a["replay"] for a in asked] == [False, True]
 
 
 def test_a_watch_goes_on_after_a_daemon_restart_saying_what_it_may_have_missed(tmp_path):
