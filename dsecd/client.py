@@ -2796,9 +2796,12 @@ class Sandbox:
         A lost connection (a daemon restart) is watched again on the next
         one, on a client that reconnects (the default); what changed while
         nothing watched is unknown, so the new watch's `ready` comes as an
-        `overflow` (list the tree again to catch up)."""
+        `overflow` (list the tree again to catch up); a directory (or
+        sandbox) that went meanwhile ends it with `stopped` (`deleted`, or
+        `sandbox destroyed`)."""
         args = {"sandbox": self.id, "path": path, "recursive": recursive}
         ready = False           # the caller had its `ready`
+        top = path              # the watched directory, as its `ready` names it
         again = False           # this watch follows one whose connection was lost
         gap = RECONNECT_GAP_S
         while True:
@@ -2817,7 +2820,7 @@ class Sandbox:
                                                   "(a daemon restart) were not seen: list the tree again to "
                                                   "catch up"}
                                 continue
-                            ready = True
+                            ready, top = True, _paths(frame)["path"]
                         yield _paths(frame)
                 return
             except ConnectionLost as err:
@@ -2825,6 +2828,16 @@ class Sandbox:
                 if not (err.sent and _reconnects(self.client)):
                     raise
                 again = True
+            except NotFound as err:
+                # Watched again after a loss, the directory (or the sandbox)
+                # went meanwhile: the watch ends as one that saw it go does.
+                if not (again and ready and not came):
+                    raise
+                yield {"kind": "stopped", "path": top, "is_dir": True,
+                       "reason": "sandbox destroyed" if "sandbox" in (err.detail or {}) else "deleted",
+                       "message": f"it went while the connection to the daemon was lost (a daemon restart): "
+                                  f"{err.message}"}
+                return
             # A daemon that drops the connection at once, again and again,
             # is not asked in a tight loop (a daemon restart drops it once).
             gap = RECONNECT_GAP_S if came else min(2 * gap, RECONNECT_GAP_MAX_S)

@@ -390,3 +390,38 @@ def test_a_directory_copy_out_whose_daemon_does_not_come_back_is_not_asked_again
     assert not err.sent and "did not answer again" in str(err), err
     assert asked == ["file_tar_get"]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("gone, reason", [({"path": "sb:/work"}, "deleted"),
+                                          ({"sandbox": "sb"}, "sandbox destroyed")])
+def test_a_watch_whose_directory_went_during_a_restart_ends_as_a_watch_does(tmp_path, gone, reason):
+    """Watched again after a daemon restart, a directory (or sandbox) that
+    went meanwhile ended the loop with NotFound, where a watch that sees
+    it go ends with `stopped` and its reason."""
+    sock_path = str(tmp_path / "d.sock")
+    asked: list[dict] = []
+
+    async def answer(f: dict, writer) -> bool:
+        if f["op"] != "file_watch":
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+            return False
+        asked.append(f["args"])
+        if len(asked) == 1:
+            writer.write(protocol.encode_frame({"id": f["id"], "stream": {"kind": "ready", "path": "/work",
+                                                                          "is_dir": True, "dirs": 1}}))
+            await writer.drain()
+            writer.transport.abort()
+            return True
+        error = {"code": "not_found", "message": "watch sb:/work: gone", "detail": gone}
+        writer.write(protocol.encode_frame({"id": f["id"], "error": error}))
+        return False
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(answer), sock_path)
+        async with server:
+            async with Client(sock_path) as c:
+                return [ev async for ev in Sandbox(c, "sb", {}).watch("/work")]
+
+    got = asyncio.run(asyncio.wait_for(go(), 30))
+    assert [(ev["kind"], ev["path"]) for ev in got] == [("ready", "/work"), ("stopped", "/work")]
+    assert got[-1]["reason"] == reason and len(asked) == 2
