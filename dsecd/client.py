@@ -2680,6 +2680,13 @@ class Sandbox:
         except ConnectionLost as err:
             if not err.sent:
                 raise
+            if "temporary" in args:
+                # Held for this client: removed, whole or not, once its
+                # connection ends (by the daemon, or by the next one at its start).
+                raise ConnectionLost(
+                    f"file_tar_put on {c.target}: connection lost while copying to {self.id}:{remote}: a "
+                    "temporary copy goes with its connection: nothing of the copy is left: copy it again",
+                    target=c.target, op="file_tar_put", sent=True) from None
             # The copy extracts beside `remote` and renames the whole into
             # place at its end; what a cut one made is removed (by the daemon
             # when the connection ends, or by the next one at its start).

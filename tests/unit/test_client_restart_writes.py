@@ -132,3 +132,33 @@ def test_bytes_whose_write_a_lost_connection_cut_are_written_again(tmp_path, ato
     writes = sorted((f["args"].get("offset", 0), f["args"]["data"]) for f in again if f["op"] == "file_write")
     assert writes[0][0] == 0 and b"".join(data for _, data in writes) == b"abcdefgh", again
     assert again[-1]["op"] == ("file_rename" if atomic else "file_write")
+
+
+def test_a_temporary_directory_copy_cut_by_a_lost_connection_is_said_to_be_gone(tmp_path):
+    """A temporary put (dsec cp -r's landing in a merge) is removed by the
+    daemon when its client's connection ends, ended or not: the error said
+    that the directory, if there, was whole."""
+    sock_path = str(tmp_path / "d.sock")
+
+    async def answer(f: dict, writer) -> bool:
+        if f["op"] == "file_tar_put":
+            assert f["args"].get("temporary") is True
+            writer.transport.abort()            # the daemon goes under it
+            return True
+        writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+        return False
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(answer), sock_path)
+        async with server:
+            async with Client(sock_path) as c:
+                c.server = {"capabilities": ["files.temporary"]}
+                with pytest.raises(ConnectionLost) as e:
+                    await asyncio.wait_for(Sandbox(c, "sb1", {}).upload_tar(b"\0" * 1024, "/work/up",
+                                                                            temporary=True), 30)
+                return e.value
+
+    err = asyncio.run(go())
+    said = str(err)
+    assert err.sent and "sb1:/work/up" in said, said
+    assert "whole" not in said and "nothing of the copy is left" in said and "copy it again" in said, said
