@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import math
 import os
 import threading
 from collections.abc import Awaitable, Callable
@@ -40,6 +41,9 @@ CopyByInit = Callable[[object, object, int, int], "InitExec | None"]
 # How long the start waits on a microVM's guest to remove a temporary the
 # daemon before left (a stat and a remove).
 VM_SWEEP_TIMEOUT_S = 30.0
+# The farthest mtime file_set_attrs sets, either way from the epoch: what
+# fits in a signed 64-bit count of nanoseconds (year 2262).
+MAX_MTIME_S = (2**63 - 1) // 10**9
 
 
 class FileService:
@@ -267,6 +271,11 @@ class FileService:
                              {"path": req.path})
         if req.mode is not None and not 0 <= req.mode <= 0o7777:
             raise BadRequest(f"mode must be in [0, 0o7777], got {req.mode:#o}")
+        # Set in nanoseconds (a signed 64-bit count, the kernel's and the
+        # guest agent's): what does not fit is no time a file can have.
+        if req.mtime is not None and not (math.isfinite(req.mtime) and abs(req.mtime) <= MAX_MTIME_S):
+            raise BadRequest(f"set attributes of {req.sandbox}:{req.path}: mtime must be seconds since the epoch "
+                             f"within +-{MAX_MTIME_S}, got {req.mtime!r}", {"path": req.path})
         return await self._file_op(req, "set attributes of", sbfiles.set_attrs, req.path, req.mode, req.mtime,
                                    req.follow)
 

@@ -67,6 +67,15 @@ def test_a_mode_out_of_range_is_shown_in_octal(sandbox):
         sandbox.mkdir("/work/d", mode=0o10000)
 
 
+@pytest.mark.parametrize("mtime", [float("inf"), float("nan"), 1e20, -1e20])
+def test_an_mtime_no_file_can_have_is_a_bad_request(sandbox, mtime):
+    """set_attrs with an infinite, NaN or far out mtime failed as the
+    daemon's own `internal` error (its conversion to nanoseconds raised)."""
+    sandbox.exec(["mkdir", "/work/d"])
+    with pytest.raises(BadRequest, match="mtime must be"):
+        sandbox.set_attrs("/work/d", mtime=mtime)
+
+
 def test_absolute_symlink_stays_inside(sandbox, tmp_path):
     host_secret = tmp_path / "secret"
     host_secret.write_text("host data")
