@@ -795,8 +795,11 @@ class Client:
             self._conn, self._closed = None, True
             return
         if self._undoing:
-            # A create cancelled just before: what it made goes first, over this connection.
-            await asyncio.wait(set(self._undoing), timeout=ABANDONED_CREATE_WAIT_S)
+            # What a request given up on left to undo (a cancelled create's
+            # sandbox, a block's destroy) goes first, over this connection:
+            # an undo may be waiting up to reconnect_timeout for a restarted
+            # daemon before its own round trip.
+            await asyncio.wait(set(self._undoing), timeout=self.reconnect_timeout + ABANDONED_CREATE_WAIT_S)
         self._closed = True
         if self._conn is not None:
             await self._drop(self._conn)

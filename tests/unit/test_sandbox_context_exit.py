@@ -245,3 +245,23 @@ def test_a_blocks_destroy_cut_by_a_daemon_restart_is_sent_again(tmp_path, ran):
 
     asyncio.run(asyncio.wait_for(go(), 30))
     assert destroys == [{"sandbox": "sb1", "force": True}] * 2
+
+
+def test_close_waits_for_an_undo_that_waits_out_a_restart(tmp_path, monkeypatch):
+    """An undo the caller gave up on (a block's destroy, a cancelled
+    create's) may wait up to reconnect_timeout for a restarted daemon
+    before its round trip: close() waits that long too, not only for the
+    round trip, or it cuts the undo off and the sandbox is left."""
+    import dsecd.client as client_mod
+
+    monkeypatch.setattr(client_mod, "ABANDONED_CREATE_WAIT_S", 0.1)
+
+    async def go():
+        c = Client(str(tmp_path / "none.sock"), reconnect_timeout=1.0)
+        undo = asyncio.get_running_loop().create_task(asyncio.sleep(0.5))    # the daemon back after 0.5 s
+        c._undoing.add(undo)
+        undo.add_done_callback(c._undoing.discard)
+        await c.close()
+        return undo.done()
+
+    assert asyncio.run(go())
