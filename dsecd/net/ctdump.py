@@ -117,8 +117,9 @@ class CtSocket:
     def _messages(self, seq: int):
         """(type, buffer, body start, end) of each reply to request `seq`,
         until its end (NLMSG_DONE, or the ack of a non-dump); CtError for
-        an error reply. Sets `interrupted` if any of them (NLMSG_DONE too)
-        says the table changed during the dump."""
+        an error reply, or for a dump's NLMSG_DONE carrying an errno (the
+        kernel could not finish it). Sets `interrupted` if any of them
+        (NLMSG_DONE too) says the table changed during the dump."""
         self.interrupted = False
         while True:
             buf = self.sock.recv(1 << 16)
@@ -131,6 +132,11 @@ class CtSocket:
                 if mseq == seq:
                     self.interrupted = self.interrupted or bool(flags & _NLM_F_DUMP_INTR)
                     if kind == _NLMSG_DONE:
+                        # Its payload: 0, or the negative errno of a dump
+                        # the kernel could not finish (what came is partial).
+                        code = -struct.unpack_from("=i", buf, at + _HDR.size)[0] if length >= _HDR.size + 4 else 0
+                        if code > 0:
+                            raise CtError(code, f"conntrack: the dump ended early: {os.strerror(code)}")
                         return
                     if kind == _NLMSG_ERROR:
                         code = -struct.unpack_from("=i", buf, at + _HDR.size)[0]

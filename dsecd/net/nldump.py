@@ -11,8 +11,9 @@ so the dumps the daemon relies on (the host side's addresses, which the
 egress fences hold; the links a start sweeps; the default route of
 net.uplink = "auto") are read here: a dump with the flag on any of its
 messages is done again, at most DUMP_TRIES times in all, and then is an
-error rather than a partial table. The replies are decoded with
-pyroute2's message classes, so callers read them as before
+error rather than a partial table; so is a dump whose NLMSG_DONE
+carries an errno (the kernel could not finish it). The replies are
+decoded with pyroute2's message classes, so callers read them as before
 (`get_attr`, `msg["prefixlen"]`).
 """
 
@@ -65,6 +66,12 @@ def _dump_once(sock: socket.socket, kind: int, body: bytes, what: str) -> tuple[
             if mseq == seq:
                 interrupted = interrupted or bool(flags & NLM_F_DUMP_INTR)
                 if typ == NLMSG_DONE:
+                    # Its payload: 0, or the negative errno of a dump the
+                    # kernel could not finish (netlink_dump's dump_done_errno:
+                    # what came before it is part of the table only).
+                    code = struct.unpack_from("=i", data, at + _HDR.size)[0] if length >= _HDR.size + 4 else 0
+                    if code < 0:
+                        raise OSError(-code, f"{what}: the dump ended early: {os.strerror(-code)}")
                     return out, interrupted
                 if typ == NLMSG_ERROR:
                     (code,) = struct.unpack_from("=i", data, at + _HDR.size)

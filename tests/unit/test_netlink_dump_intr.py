@@ -24,10 +24,13 @@ class Kernel:
     """A netlink socket's stand-in: each request sent is answered with the
     next of `replies`, a list of (type, flags, body) messages, as one
     datagram carrying the request's sequence number, then NLMSG_DONE
-    (flagged as `done_flags` of the reply says)."""
+    (flagged as `done_flags` of the reply says, its payload `done_errno`:
+    the kernel's 0, or the negative errno a dump that failed part way
+    ends with)."""
 
-    def __init__(self, replies: list[tuple[list[tuple[int, int, bytes]], int]]):
+    def __init__(self, replies: list[tuple[list[tuple[int, int, bytes]], int]], done_errno: int = 0):
         self.replies = list(replies)
+        self.done_errno = done_errno
         self.requests: list[bytes] = []
         self.queue: list[bytes] = []
 
@@ -39,7 +42,8 @@ class Kernel:
         for typ, flags, body in msgs:
             out += HDR.pack(HDR.size + len(body), typ, flags | NLM_F_MULTI, seq, 0) + body
         self.queue.append(out)
-        self.queue.append(HDR.pack(HDR.size + 4, nldump.NLMSG_DONE, NLM_F_MULTI | done_flags, seq, 0) + b"\0" * 4)
+        self.queue.append(HDR.pack(HDR.size + 4, nldump.NLMSG_DONE, NLM_F_MULTI | done_flags, seq, 0)
+                          + struct.pack("=i", self.done_errno))
         return len(data)
 
     def recv(self, _size: int) -> bytes:
@@ -86,6 +90,16 @@ def test_a_dump_interrupted_every_time_is_an_error_not_a_partial_table():
     assert len(kernel.requests) == nldump.DUMP_TRIES
 
 
+def test_a_dump_that_ends_with_an_error_is_an_error_not_a_partial_table():
+    """A dump the kernel could not finish (its callback failed after the
+    first datagrams: an entry too big for the buffer, no memory) ends with
+    NLMSG_DONE carrying the negative errno, as iproute2 reads it."""
+    kernel = Kernel([(_addresses("192.0.2.5"), 0)], done_errno=-errno.EMSGSIZE)
+    with pytest.raises(OSError) as info:
+        nldump.addresses(kernel, "list the host side's addresses")
+    assert info.value.errno == errno.EMSGSIZE and "list the host side's addresses" in str(info.value)
+
+
 def test_the_host_side_s_addresses_come_from_a_dump_nothing_interrupted(monkeypatch):
     """Plumbing.local_addresses (the egress fences) reads the whole table again."""
     kernel = Kernel([(_addresses("192.0.2.5", flags=INTR), INTR), (_addresses("192.0.2.5", "192.0.2.9"), 0)])
@@ -117,3 +131,11 @@ def test_an_interrupted_conntrack_dump_is_read_again():
     with ctdump.CtSocket(kernel) as ct, pytest.raises(ctdump.CtError) as info:
         ct.dump(socket.AF_INET6)
     assert info.value.errno == errno.EAGAIN
+
+
+def test_a_conntrack_dump_that_ends_with_an_error_is_an_error():
+    a, c = (socket.inet_pton(socket.AF_INET6, f"fd00::{i}") for i in (1, 3))
+    kernel = Kernel([([((1 << 8) | 0, 0, _ct_entry(a, c))], 0)], done_errno=-errno.ENOMEM)
+    with ctdump.CtSocket(kernel) as ct, pytest.raises(ctdump.CtError) as info:
+        ct.dump(socket.AF_INET6)
+    assert info.value.errno == errno.ENOMEM
