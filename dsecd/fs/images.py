@@ -388,7 +388,7 @@ class ImageStore:
     def _publish(self, name: str, manifest_digest: str, parent: str | None,
                  source: dict | None = None, replace: bool = False,
                  cancelled: threading.Event | None = None,
-                 parent_manifest: str | None = None) -> tuple[Image, str | None]:
+                 parent_manifest: str | None = None, expect: str | None = None) -> tuple[Image, str | None]:
         """Point `name` at a manifest. Without `replace` an existing name is
         `conflict`; with it (a pull moving a tag, a Dockerfile build) the name
         moves atomically (rename). Returns the image published, made from the
@@ -399,7 +399,12 @@ class ImageStore:
         was made from: a name may be made from the image it replaces.
         `cancelled`, set by the time the ref is written, publishes nothing
         (`conflict`): looked at last, so a cancel that came while the
-        manifest and ref were written is not missed."""
+        manifest and ref were written is not missed. `expect` (with
+        `replace`): the manifest `name` must still have, read just before
+        the rename, else `conflict` and nothing published (an in-place
+        flatten must not overwrite a build or tag that moved the name
+        meanwhile; on a shared store another host's rename may still come
+        between that read and this rename: a rename cannot compare)."""
         path = self._ref(name)
         tmp = self.store.temp_path(".ref")
         ref = {"manifest": manifest_digest, "created": time.time(), "parent": parent}
@@ -417,6 +422,10 @@ class ImageStore:
                     before = self._read_ref(name)["manifest"]
                 except (FileNotFoundError, KeyError, ImageError):
                     before = None       # none, or unreadable: the rename replaces it all the same
+                if expect is not None and before != expect:
+                    now = f"manifest {before[:19]}" if before else "no image"
+                    raise ImageError("conflict", f"image {name!r} was changed meanwhile (it names {now} now, "
+                                     f"not manifest {expect[:19]}): nothing published; do it again")
             # A concurrent rm may prune the reference's empty directories between
             # the makedirs and the link: make them again.
             for attempt in range(5):
@@ -711,14 +720,10 @@ class ImageStore:
             if cancelled is not None and cancelled.is_set():
                 raise ImageError("conflict", f"flatten of {image.name!r} cancelled: nothing published")
             digest = self.put_manifest([layer], image.config, hold)
-            if replace:
-                now = self.get(image.name)
-                if now.manifest != image.manifest:
-                    raise ImageError("conflict", f"image {image.name!r} was changed while it was flattened "
-                                     f"(it names manifest {now.manifest[:19]} now, not {image.manifest[:19]}): "
-                                     "nothing published; flatten it again")
+            # In place, the name moves only from the image flattened: its
+            # manifest is compared just before the ref is renamed over it.
             flat, before = self.publish(target, digest, parent, replace=replace, cancelled=cancelled,
-                                        parent_manifest=made_from)
+                                        parent_manifest=made_from, expect=image.manifest if replace else None)
         flat.extra["replaced"] = before if before != digest else None
         flat.extra["flattened"] = {"manifest": image.manifest, "layers": len(image.layers)}
         return flat
@@ -806,12 +811,13 @@ class ImageStore:
 
     def publish(self, name: str, manifest: str, parent: str | None, replace: bool = False,
                 cancelled: threading.Event | None = None,
-                parent_manifest: str | None = None) -> tuple[Image, str | None]:
+                parent_manifest: str | None = None, expect: str | None = None) -> tuple[Image, str | None]:
         """Name an image already in the store: (the image, the manifest the name
-        had before when `replace` moved it); nothing once `cancelled` is set.
+        had before when `replace` moved it); nothing once `cancelled` is set,
+        or (`expect`) once the name no longer has that manifest.
         `parent_manifest`: the manifest `parent` named when the image was made."""
         return self._publish(name, manifest, parent, replace=replace, cancelled=cancelled,
-                             parent_manifest=parent_manifest)
+                             parent_manifest=parent_manifest, expect=expect)
 
     def cache_lookup(self, key: str, hold: Callable[[str], None]) -> Image | None:
         """The image a build step with this key made before, its blobs pinned;
