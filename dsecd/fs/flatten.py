@@ -16,7 +16,9 @@ holds):
   * a directory is merged into the one below (its owner, mode and xattrs
     replace that one's), anything else replaces the path.
 Owners, modes, xattrs (overlay's own `trusted.overlay.*` left out: they
-describe how a layer was made, not a file of the image), symlinks, device
+describe how a layer was made, not a file of the image; a nested overlay's,
+escaped as `trusted.overlay.overlay.*`, are kept: the sandbox's overlay
+shows them as `trusted.overlay.*` and acts on none of them), symlinks, device
 nodes, fifos and hard links within a layer are kept. mtimes are not:
 mkfs.erofs writes every layer with timestamp 0 (fs/erofs.py).
 
@@ -34,6 +36,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 OVERLAY_XATTRS = "trusted.overlay."
+# overlayfs (Linux >= 6.7) stores a trusted.overlay.* xattr written through an
+# overlay (a nested overlay's) as this, and shows it without the escape.
+ESCAPED_XATTRS = "trusted.overlay.overlay."
 OPAQUE = "trusted.overlay.opaque"
 PROGRESS_EVERY_S = 0.2
 CHUNK = 1 << 20
@@ -150,7 +155,7 @@ def _attrs(src: str, out: str, st: os.stat_result) -> None:
     for name in os.listxattr(out, follow_symlinks=False):
         os.removexattr(out, name, follow_symlinks=False)
     for name in os.listxattr(src, follow_symlinks=False):
-        if not name.startswith(OVERLAY_XATTRS):
+        if not name.startswith(OVERLAY_XATTRS) or name.startswith(ESCAPED_XATTRS):
             os.setxattr(out, name, os.getxattr(src, name, follow_symlinks=False), follow_symlinks=False)
 
 

@@ -1,0 +1,33 @@
+"""flatten.merge (dsecd/fs/flatten.py) on hand-made layer trees: what an
+overlay of the layers shows is what the merged tree holds."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="trusted.* xattrs need root")
+
+from dsecd.fs import flatten  # noqa: E402
+
+
+def test_an_escaped_overlay_xattr_is_kept_and_not_taken_as_opaque(tmp_path):
+    """A layer's trusted.overlay.overlay.* xattrs are a nested overlay's
+    (an image holding an overlay's upper dir): the sandbox's overlay shows
+    them as trusted.overlay.* and does not act on them. Only its own
+    trusted.overlay.* (opaque, here acted on) are left out."""
+    low, top = tmp_path / "low", tmp_path / "top"
+    (low / "nest").mkdir(parents=True)
+    (low / "nest" / "kept").write_text("below")
+    (top / "nest").mkdir(parents=True)
+    os.setxattr(top / "nest", "trusted.overlay.overlay.opaque", b"y")
+    os.setxattr(top / "nest", "user.note", b"n")
+    (top / "hid").mkdir()
+    os.setxattr(top / "hid", "trusted.overlay.opaque", b"y")
+    out = tmp_path / "out"
+    flatten.merge([str(low), str(top)], out)
+    assert (out / "nest" / "kept").read_text() == "below"            # escaped: not opaque
+    assert sorted(os.listxattr(out / "nest")) == ["trusted.overlay.overlay.opaque", "user.note"]
+    assert os.getxattr(out / "nest", "trusted.overlay.overlay.opaque") == b"y"
+    assert os.listxattr(out / "hid") == []
