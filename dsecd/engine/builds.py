@@ -209,9 +209,7 @@ class _Build:
                 image = await self._from(build_plan, base_images[build_plan.base])
                 for step in build_plan.steps:
                     image = await self._step(step, image, sources.get(step.n))
-                named, before = await self._store_call(self.store.publish, req.name, image.manifest,
-                                                       build_plan.base, True, None,
-                                                       base_images[build_plan.base].manifest)
+                named, before = await self._publish(image, build_plan.base, base_images[build_plan.base])
                 self.named = named
             finally:
                 # Submitted at once and shielded: a cancelled build still unpins.
@@ -227,6 +225,20 @@ class _Build:
         """The FROM image (in a worker, from the planner)."""
         found[name] = self.store.get(name)
         return found[name]
+
+    async def _publish(self, image: Image, base: str, base_image: Image) -> tuple[Image, str | None]:
+        """Name the built image `req.name` (moved if taken): (the image, the
+        manifest the name had). The publish runs on in its worker when the
+        build is cancelled; the event it is given, set then, is looked at
+        just before the name is linked: a cancel that comes before that
+        publishes nothing."""
+        cancelled = threading.Event()
+        try:
+            return await self._store_call(self.store.publish, self.req.name, image.manifest, base, True,
+                                          cancelled, base_image.manifest)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
 
     async def _store_call(self, fn, *args):
         try:
