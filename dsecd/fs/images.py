@@ -593,10 +593,12 @@ class ImageStore:
                              parent.manifest if parent else None)[0]
 
     def commit_pulled(self, name: str, layers: list[dict], config: dict, source: dict,
-                      hold: Callable[[str], None]) -> Image:
+                      hold: Callable[[str], None], cancelled=None) -> Image:
         """Publish a pulled image under its reference, replacing what the name
-        pointed at before (the tag moved on the registry)."""
-        return self._commit(self.canonical(name), layers, config, None, hold, source, replace=True)
+        pointed at before (the tag moved on the registry); nothing once
+        `cancelled` (anything with is_set(), as _publish looks at it) is set."""
+        return self._commit(self.canonical(name), layers, config, None, hold, source, replace=True,
+                            cancelled=cancelled)
 
     # ------------------------------------------------------------ layers by OCI diff_id
 

@@ -507,8 +507,15 @@ class Puller:
                 raise PullError("limit", f"pull {r.name}: {err}") from err
             except oci.TarError as err:             # the image's: unsafe entries, a diff_id that lies
                 raise PullError("bad_request", f"pull {r.name}: {err}") from err
-            return self.images.commit_pulled(str(r.name), [layer.stored for layer in layers], config, source,
-                                             hold)
+            try:
+                # The cancel is looked at again just before the name is linked.
+                return self.images.commit_pulled(str(r.name), [layer.stored for layer in layers], config, source,
+                                                 hold, cancelled)
+            except ImageError as err:
+                if cancelled.is_set():
+                    raise _Final("conflict", f"pull of {r.name} cancelled: nothing published; the layers it "
+                                 "stored are kept for the next pull") from err
+                raise
 
     def _fetch(self, registry: Registry, r: Resolved, layers: list[_Layer], hold, emit: Progress,
                cancelled: Stop, stats: dict, deadline: float) -> None:
