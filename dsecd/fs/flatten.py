@@ -22,6 +22,15 @@ shows them as `trusted.overlay.*` and acts on none of them), symlinks, device
 nodes, fifos and hard links within a layer are kept. mtimes are not:
 mkfs.erofs writes every layer with timestamp 0 (fs/erofs.py).
 
+Overlay bookkeeping the merge does not reproduce is refused (Unsupported):
+a redirect (overlayfs follows one in a lower layer, redirect_always_follow,
+merging another directory's contents in), a metacopy, and the whiteouts
+kept as xattrs (a file marked trusted.overlay.whiteout in a directory whose
+opaque mark is "x", which overlayfs hides). No layer dsecd makes holds them
+(sandboxes' overlays run without redirect_dir and metacopy; a microVM's
+layer and a pulled one leave them out); a layer built from a host
+directory that has them does.
+
 Blocking: call it from a worker thread.
 """
 
@@ -44,8 +53,22 @@ PROGRESS_EVERY_S = 0.2
 CHUNK = 1 << 20
 
 
+# What overlayfs acts on in a lower layer that the merge does not do.
+UNSUPPORTED = {"trusted.overlay.redirect": "a redirect (a renamed directory)",
+               "trusted.overlay.metacopy": "a metacopy (a file whose data is below)",
+               "trusted.overlay.whiteout": "a whiteout kept as an xattr"}
+
+
 class Cancelled(Exception):
     """The merge saw its `cancelled` event set: the tree is incomplete."""
+
+
+class Unsupported(Exception):
+    """A layer holds overlay bookkeeping the merge does not reproduce."""
+
+
+class _Bookkeeping(Exception):
+    """_attrs met one of UNSUPPORTED (or an "x" opaque mark): its name."""
 
 
 def merge(layers: list[str], dest: Path, progress: Callable[[dict], None] | None = None,
@@ -88,7 +111,10 @@ def _apply(top: Path, dest: Path, state: _State) -> None:
     """One layer's tree over `dest`."""
     linked: dict[tuple[int, int], str] = {}      # (dev, ino) of a file with more names -> its copy
     st = os.lstat(top)
-    _attrs(str(top), str(dest), st)
+    try:
+        _attrs(str(top), str(dest), st)
+    except _Bookkeeping as err:
+        raise _unsupported(state, "/", str(err)) from None
     if _opaque(str(top)):
         _clear(str(dest))
     stack = [("", str(top))]
@@ -96,30 +122,44 @@ def _apply(top: Path, dest: Path, state: _State) -> None:
         rel, src_dir = stack.pop()
         with os.scandir(src_dir) as entries:
             for entry in sorted(entries, key=lambda e: e.name):
-                src = entry.path
-                out = os.path.join(dest, rel, entry.name)
-                st = os.lstat(src)
-                copied = 0
-                if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:        # a whiteout
-                    _remove(out)
-                elif stat.S_ISDIR(st.st_mode):
-                    if not os.path.isdir(out) or os.path.islink(out):
-                        _remove(out)
-                        os.mkdir(out, 0o700)
-                    elif _opaque(src):
-                        _clear(out)
-                    _attrs(src, out, st)
-                    stack.append((os.path.join(rel, entry.name), src))
-                else:
-                    _remove(out)
-                    key = (st.st_dev, st.st_ino)
-                    if st.st_nlink > 1 and key in linked:
-                        os.link(linked[key], out)
-                    else:
-                        copied = _copy(src, out, st)
-                        if st.st_nlink > 1:
-                            linked[key] = out
-                state.tick(copied)
+                try:
+                    _apply_entry(entry, rel, dest, stack, linked, state)
+                except _Bookkeeping as err:
+                    raise _unsupported(state, "/" + os.path.join(rel, entry.name), str(err)) from None
+
+
+def _unsupported(state: _State, path: str, name: str) -> Unsupported:
+    what = UNSUPPORTED.get(name, 'a mark of whiteouts kept as xattrs (opaque "x")')
+    return Unsupported(f"layer {state.layer} of {state.of} has overlay's {name} on {path}, {what}: "
+                       "flattening does not reproduce it (what a sandbox of the image shows would change)")
+
+
+def _apply_entry(entry: os.DirEntry, rel: str, dest: Path, stack: list, linked: dict, state: _State) -> None:
+    """One entry of a layer's directory `rel` over `dest`."""
+    src = entry.path
+    out = os.path.join(dest, rel, entry.name)
+    st = os.lstat(src)
+    copied = 0
+    if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:        # a whiteout
+        _remove(out)
+    elif stat.S_ISDIR(st.st_mode):
+        if not os.path.isdir(out) or os.path.islink(out):
+            _remove(out)
+            os.mkdir(out, 0o700)
+        elif _opaque(src):
+            _clear(out)
+        _attrs(src, out, st)
+        stack.append((os.path.join(rel, entry.name), src))
+    else:
+        _remove(out)
+        key = (st.st_dev, st.st_ino)
+        if st.st_nlink > 1 and key in linked:
+            os.link(linked[key], out)
+        else:
+            copied = _copy(src, out, st)
+            if st.st_nlink > 1:
+                linked[key] = out
+    state.tick(copied)
 
 
 def _copy(src: str, out: str, st: os.stat_result) -> int:
@@ -155,8 +195,17 @@ def _attrs(src: str, out: str, st: os.stat_result) -> None:
     for name in os.listxattr(out, follow_symlinks=False):
         os.removexattr(out, name, follow_symlinks=False)
     for name in os.listxattr(src, follow_symlinks=False):
+        if name in UNSUPPORTED or (name == OPAQUE and _opaque_mark(src) == b"x"):
+            raise _Bookkeeping(name)
         if not name.startswith(OVERLAY_XATTRS) or name.startswith(ESCAPED_XATTRS):
             os.setxattr(out, name, os.getxattr(src, name, follow_symlinks=False), follow_symlinks=False)
+
+
+def _opaque_mark(path: str) -> bytes | None:
+    try:
+        return os.getxattr(path, OPAQUE, follow_symlinks=False)
+    except OSError:
+        return None
 
 
 def _opaque(path: str) -> bool:

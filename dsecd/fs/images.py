@@ -711,6 +711,8 @@ class ImageStore:
                     except flatten.Cancelled:
                         raise ImageError("conflict", f"flatten of {image.name!r} cancelled: nothing "
                                          "published") from None
+                    except flatten.Unsupported as err:
+                        raise ImageError("unsupported", f"flatten of {image.name!r}: {err}") from None
                     except OSError as err:
                         room = (f"; the merged tree is written in {self.scratch}, which needs room for the "
                                 f"image's {image.size} bytes") if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""

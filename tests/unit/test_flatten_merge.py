@@ -31,3 +31,29 @@ def test_an_escaped_overlay_xattr_is_kept_and_not_taken_as_opaque(tmp_path):
     assert sorted(os.listxattr(out / "nest")) == ["trusted.overlay.overlay.opaque", "user.note"]
     assert os.getxattr(out / "nest", "trusted.overlay.overlay.opaque") == b"y"
     assert os.listxattr(out / "hid") == []
+
+
+@pytest.mark.parametrize("xattr, value, kind", [
+    ("trusted.overlay.redirect", b"/a", "file"),       # a renamed directory's: on the directory itself
+    ("trusted.overlay.whiteout", b"", "file"),
+    ("trusted.overlay.opaque", b"x", "dir"),           # a directory holding such whiteouts
+    ("trusted.overlay.metacopy", b"", "file"),
+])
+def test_overlay_bookkeeping_flatten_cannot_reproduce_is_refused(tmp_path, xattr, value, kind):
+    """A layer built from a host directory may carry overlay's own
+    bookkeeping, which the sandbox's overlay acts on (it follows a
+    redirect to another directory's contents, hides a file marked as a
+    whiteout in a directory marked "x"): a merge that ignored it would
+    not show what a sandbox of the image shows, so it is refused, naming
+    the path."""
+    low, top = tmp_path / "low", tmp_path / "top"
+    (low / "a").mkdir(parents=True)
+    (low / "a" / "x").write_text("x")
+    (top / "b").mkdir(parents=True)
+    marked = top / "b" if kind == "dir" or xattr.endswith("redirect") else top / "b" / "f"
+    if marked.name == "f":
+        marked.write_text("")
+    os.setxattr(marked, xattr, value)
+    with pytest.raises(flatten.Unsupported) as info:
+        flatten.merge([str(low), str(top)], tmp_path / "out")
+    assert xattr in str(info.value) and str(marked.relative_to(top)) in str(info.value)
