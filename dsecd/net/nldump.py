@@ -37,7 +37,11 @@ RTM_NEWROUTE, RTM_GETROUTE = 24, 26
 # A table that changes on every pass of a dump (a host adding and deleting
 # links without pause) is not waited for: the caller's error says so.
 DUMP_TRIES = 8
-RECV_BYTES = 1 << 16
+# One datagram of a dump holds whole messages, and the kernel makes it as
+# large as its largest message needs (a link with many SR-IOV VFs is past
+# 64 KiB); a read shorter than the datagram would cut it silently. Dumps
+# are not hot: a buffer this large costs nothing that matters.
+RECV_BYTES = 1 << 20
 
 _HDR = struct.Struct("=IHHII")          # nlmsghdr: len, type, flags, seq, pid
 _IFINFO = struct.Struct("=BxHiII")      # ifinfomsg: family, pad, type, index, flags, change
