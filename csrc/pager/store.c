@@ -104,11 +104,13 @@ static uint64_t throttle_deadline(uint64_t len)
  * shared store another host may have replaced the blob's file (gc, then the
  * same layer stored again: same bytes, new file), and the file system's
  * client cannot bring back an fd on the old one after a reconnect (NFS:
- * ESTALE; GlusterFS 10: ENOENT from pread once the brick restarted, seen in
- * tests/integration/test_shared_store.py). */
+ * ESTALE; GlusterFS 10: ENOENT from pread once the brick restarted, or
+ * ENOTCONN for good on that fd when this host's client had also looked the
+ * old file up by its path; seen in tests/integration/test_shared_store.py).
+ * While the store is down the reopen fails too, and the read is EIO. */
 static int stale_handle(int err)
 {
-    return err == ESTALE || err == ENOENT || err == EBADF || err == EBADFD;
+    return err == ESTALE || err == ENOENT || err == EBADF || err == EBADFD || err == ENOTCONN;
 }
 
 /* Open the blob's store path again and put the new file under b->store_fd's
