@@ -98,9 +98,12 @@ CHANGES_NOTHING = ("ping", "info", "image_du", "image_list", "image_inspect", "p
                    "net_sets", "pool_list")
 FOLLOWS_ONLY = ("proc_logs", "events", "file_watch", "file_tar_get")
 # Requests that change something, but whose second run changes nothing more
-# (the daemon's pause of a paused sandbox, resume of a running one): sent
-# again, once, as those that only read are, the sandbox ends as asked.
-IDEMPOTENT = ("pause", "resume")
+# (the daemon's pause of a paused sandbox, resume of a running one; a renew
+# sets each lease to end `lease` from now, as a renew made then would):
+# sent again, once, as those that only read are, the sandbox ends as asked.
+# So Client.hold's renew in flight at a daemon restart renews on the next
+# daemon instead of failing.
+IDEMPOTENT = ("pause", "resume", "renew")
 # A lost connection is made again at the next request (reconnect=True):
 # while the daemon does not answer (a restart: no socket, or refused), tries
 # this far apart at first, doubled after each failure up to the max, for

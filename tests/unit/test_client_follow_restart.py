@@ -425,3 +425,43 @@ def test_a_watch_whose_directory_went_during_a_restart_ends_as_a_watch_does(tmp_
     got = asyncio.run(asyncio.wait_for(go(), 30))
     assert [(ev["kind"], ev["path"]) for ev in got] == [("ready", "/work"), ("stopped", "/work")]
     assert got[-1]["reason"] == reason and len(asked) == 2
+
+
+def test_a_renew_cut_by_a_daemon_restart_is_sent_again_and_a_hold_says_nothing(tmp_path, caplog):
+    """A renew sets a lease from now: sent again to the next daemon, it
+    renews as the first would have. Client.hold's renew in flight at a
+    daemon restart failed, was logged as a failure, and waited HOLD_RETRY_S
+    for the next try, however soon the daemon was back."""
+    import logging
+
+    sock_path = str(tmp_path / "d.sock")
+    renews: list[dict] = []
+    again = asyncio.Event()
+
+    async def answer(f: dict, writer) -> bool:
+        if f["op"] != "renew":
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+            return False
+        renews.append(f["args"])
+        if len(renews) == 1:
+            writer.transport.abort()            # the daemon goes under the renew
+            return True
+        writer.write(protocol.encode_frame({"id": f["id"], "result": {"renewed": f["args"]["sandboxes"],
+                                                                      "missing": [], "no_lease": []}}))
+        again.set()
+        return False
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(answer), sock_path)
+        async with server:
+            async with Client(sock_path) as c:
+                held = c.hold(["sb"], lease=60)
+                try:
+                    await asyncio.wait_for(again.wait(), 10)
+                finally:
+                    held.cancel()
+
+    with caplog.at_level(logging.WARNING, logger="dsecd.client"):
+        asyncio.run(asyncio.wait_for(go(), 30))
+    assert [r["sandboxes"] for r in renews] == [["sb"], ["sb"]]
+    assert not [r for r in caplog.records if "renewing the leases failed" in r.getMessage()]
