@@ -110,6 +110,15 @@ IDEMPOTENT = ("pause", "resume", "renew")
 # the Client's reconnect_timeout at most.
 RECONNECT_GAP_S = 0.05
 RECONNECT_GAP_MAX_S = 1.0
+# A follow taken up again after each lost connection (Client.events,
+# Sandbox.watch) ends once it was lost this many times in a row with no
+# frame of it come: the daemon takes the connection and drops the request,
+# every time (it fails on it), and asking again would go on for ever. A
+# daemon restart with no event since is such a loss too, so a few in a row
+# are let through; an attach that lived FOLLOW_ATTACHED_S before its loss
+# was a follow the daemon took, and counts again from none.
+FOLLOW_LOST_MAX = 8
+FOLLOW_ATTACHED_S = 10.0
 # How soon Client.hold renews again after a renew found the connection gone.
 HOLD_RETRY_S = 1.0
 # The most bytes of a followed background process's output (Process.output)
@@ -1624,7 +1633,9 @@ class Client:
         the same daemon (reached again over ssh://) published before the
         follow began (by its time then, which a ping asks first). No
         daemon runs meanwhile, so none is missed unless the next daemon
-        published more than its history keeps (256) first."""
+        published more than its history keeps (256) first. Lost
+        FOLLOW_LOST_MAX times in a row with no event come (a daemon that
+        drops the request), it ends with the ConnectionLost."""
         # `follow` only when it differs from the default, which older daemons do not know.
         extra = {} if follow else {"follow": False}
         last: tuple[float, int] | None = None          # the (time, seq) of the last event given
@@ -1637,10 +1648,11 @@ class Client:
             if now is not None:
                 last = (now, 0)
         again = False
-        gap = RECONNECT_GAP_S
+        refollow = _Refollow()
         while True:
             args = {"sandbox": sandbox, "replay": replay or again, **extra}
             came = False
+            refollow.attach()
             try:
                 async with contextlib.aclosing(self.frames("events", **args)) as frames:
                     async for frame in frames:
@@ -1658,11 +1670,7 @@ class Client:
                 if not (err.sent and _reconnects(self)):
                     raise
                 again = True
-            # A daemon that drops the connection at once, again and again,
-            # is not asked in a tight loop (a daemon restart drops it once).
-            gap = RECONNECT_GAP_S if came else min(2 * gap, RECONNECT_GAP_MAX_S)
-            if not came:
-                await asyncio.sleep(gap)
+                await refollow.lost(err, came)
 
     async def get(self, sandbox_id: str) -> Sandbox:
         info = _sandbox_info(await self.request("inspect", sandbox=sandbox_id))
@@ -2194,6 +2202,38 @@ class _Follower:
             self.offset = self.cursor
         self.last_time = frame["time"]
         return [ProcOutput(frame["fd"], data, frame["time"])]
+
+
+class _Refollow:
+    """How a follow (Client.events, Sandbox.watch) is taken up again after
+    each lost connection: at once after one of which a frame came; else
+    after a gap, doubled at each such loss in a row (a daemon that drops
+    the connection at once is not asked in a tight loop; a restart drops
+    it once), and not after FOLLOW_LOST_MAX of them (lost raises)."""
+
+    def __init__(self):
+        self.gap = RECONNECT_GAP_S
+        self.in_a_row = 0             # losses with no frame come, none of a lived attach between
+        self.began = 0.0
+
+    def attach(self) -> None:
+        self.began = asyncio.get_running_loop().time()
+
+    async def lost(self, err: ConnectionLost, came: bool) -> None:
+        """The attach begun last was lost with `err`; `came`: a frame of it came."""
+        if came:
+            self.in_a_row, self.gap = 0, RECONNECT_GAP_S
+            return
+        if asyncio.get_running_loop().time() - self.began >= FOLLOW_ATTACHED_S:
+            self.in_a_row, self.gap = 0, RECONNECT_GAP_S
+        self.in_a_row += 1
+        if self.in_a_row >= FOLLOW_LOST_MAX:
+            raise ConnectionLost(
+                f"{err}; it was lost {self.in_a_row} times in a row without a frame of it coming: the daemon "
+                "takes the connection and drops the request each time (see its log), so it was not asked again",
+                target=err.target, op=err.op, sent=err.sent) from None
+        self.gap = min(2 * self.gap, RECONNECT_GAP_MAX_S)
+        await asyncio.sleep(self.gap)
 
 
 def _reconnects(client) -> bool:
@@ -2811,14 +2851,17 @@ class Sandbox:
         nothing watched is unknown, so the new watch's `ready` comes as an
         `overflow` (list the tree again to catch up); a directory (or
         sandbox) that went meanwhile ends it with `stopped` (`deleted`, or
-        `sandbox destroyed`)."""
+        `sandbox destroyed`); lost FOLLOW_LOST_MAX times in a row with
+        nothing come (a daemon that drops the request), it ends with the
+        ConnectionLost."""
         args = {"sandbox": self.id, "path": path, "recursive": recursive}
         ready = False           # the caller had its `ready`
         top = path              # the watched directory, as its `ready` names it
         again = False           # this watch follows one whose connection was lost
-        gap = RECONNECT_GAP_S
+        refollow = _Refollow()
         while True:
             came = False
+            refollow.attach()
             try:
                 async with contextlib.aclosing(self.client.frames("file_watch", **args)) as frames:
                     async for frame in frames:
@@ -2841,6 +2884,7 @@ class Sandbox:
                 if not (err.sent and _reconnects(self.client)):
                     raise
                 again = True
+                await refollow.lost(err, came)
             except NotFound as err:
                 # Watched again after a loss, the directory (or the sandbox)
                 # went meanwhile: the watch ends as one that saw it go does.
@@ -2851,11 +2895,6 @@ class Sandbox:
                        "message": f"it went while the connection to the daemon was lost (a daemon restart): "
                                   f"{err.message}"}
                 return
-            # A daemon that drops the connection at once, again and again,
-            # is not asked in a tight loop (a daemon restart drops it once).
-            gap = RECONNECT_GAP_S if came else min(2 * gap, RECONNECT_GAP_MAX_S)
-            if not came:
-                await asyncio.sleep(gap)
 
     async def snapshot(self, name: str, exclude: list[str] | None = None,
                        progress: Callable[[dict], None] | None = None) -> dict:

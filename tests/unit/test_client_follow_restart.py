@@ -465,3 +465,61 @@ def test_a_renew_cut_by_a_daemon_restart_is_sent_again_and_a_hold_says_nothing(t
         asyncio.run(asyncio.wait_for(go(), 30))
     assert [r["sandboxes"] for r in renews] == [["sb"], ["sb"]]
     assert not [r for r in caplog.records if "renewing the leases failed" in r.getMessage()]
+
+
+def _follow_a_dropping_daemon(tmp_path, monkeypatch, follower: str, lives: list[list[dict]]) -> list:
+    """events() or watch() against a daemon that serves `lives` in turn (the
+    frames each connection's request gets before the connection is cut),
+    then drops every request at once without a frame. What the follow gave,
+    then the error that ended it."""
+    import dsecd.client as client_mod
+
+    monkeypatch.setattr(client_mod, "RECONNECT_GAP_S", 0.001)
+    monkeypatch.setattr(client_mod, "RECONNECT_GAP_MAX_S", 0.001)
+    sock_path = str(tmp_path / "d.sock")
+    asked: list[dict] = []
+
+    async def answer(f: dict, writer) -> bool:
+        if f["op"] not in ("events", "file_watch"):
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {"time": 0.0}}))
+            return False
+        asked.append(f["args"])
+        for stream in lives[len(asked) - 1] if len(asked) <= len(lives) else []:
+            writer.write(protocol.encode_frame({"id": f["id"], "stream": stream}))
+        await writer.drain()
+        writer.transport.abort()
+        return True
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(answer), sock_path)
+        got: list = []
+        async with server:
+            async with Client(sock_path) as c:
+                stream = c.events() if follower == "events" else Sandbox(c, "sb", {}).watch("/work")
+                try:
+                    async for item in stream:
+                        got.append(item)
+                except ConnectionLost as err:
+                    got.append(err)
+        return got
+
+    return asyncio.run(asyncio.wait_for(go(), 20))
+
+
+@pytest.mark.parametrize("follower", ["events", "watch"])
+def test_a_follower_whose_daemon_drops_every_request_gives_up(tmp_path, monkeypatch, follower):
+    """A daemon that takes the connection and drops the follow without a
+    frame, every time (one failing on the request), was asked again for
+    ever; Process.output() gives up on it. They end with the error, saying so."""
+    first = _ev(1, 1.0) if follower == "events" else {"kind": "ready", "path": "/work", "is_dir": True, "dirs": 1}
+    got = _follow_a_dropping_daemon(tmp_path, monkeypatch, follower, [[first]])
+    assert len(got) == 2 and isinstance(got[1], ConnectionLost), got[1:3]
+    said = str(got[1])
+    assert "in a row" in said and "without a frame" in said and got[1].sent, said
+
+
+def test_an_events_follower_goes_on_through_restarts_with_no_event_between(tmp_path, monkeypatch):
+    """Daemon restarts with no event between them are losses with nothing
+    that came: a few in a row do not end the follow."""
+    got = _follow_a_dropping_daemon(tmp_path, monkeypatch, "events", [[_ev(1, 1.0)], [], [], [], [_ev(1, 5.0)]])
+    assert got[:2] == [_ev(1, 1.0), _ev(1, 5.0)] and isinstance(got[2], ConnectionLost)
