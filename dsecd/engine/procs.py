@@ -88,40 +88,63 @@ class Ring:
         self.written = 0           # offset past the last byte read from the process
         self.dropped = 0           # bytes that fell out (= the offset of the oldest kept byte)
         # When the newest of them was read (None: unknown): a follower asking
-        # only for output read since a later time wanted none of them.
+        # only for output read since a later time wanted none of them, and
+        # one asking since that very time only those read then, the last
+        # `dropped_at_until` bytes dropped (`since` is inclusive).
         self.dropped_until: float | None = None
+        self.dropped_at_until = 0
         # When this daemon followed one that left no count of what it read
         # (it died, or predates the count): what the process wrote before,
         # if anything, went with that daemon, uncounted. None: nothing unknown is lost.
         self.lost_before: float | None = None
 
-    def skip_to(self, offset: int, at: float | None = None) -> None:
+    def skip_to(self, offset: int, at: float | None = None, last: int | None = None) -> None:
         """Empty, with `offset` bytes counted as written and dropped: what a
         daemon that stopped cleanly had read (ProcessService.close), the
-        last of it at time `at` (None: unknown)."""
+        last `last` bytes of it at time `at` (None: unknown; all of them
+        are then counted as read at `at`)."""
         self.chunks.clear()
         self.size = 0
         self.written = self.dropped = offset
         self.dropped_until = at
+        self.dropped_at_until = offset if last is None else min(last, offset)
+
+    def _fell_out(self, at: float, n: int) -> None:
+        """`n` bytes read at `at` fell out: dropped_until and its count."""
+        if self.dropped_until is None or at > self.dropped_until:
+            self.dropped_until, self.dropped_at_until = at, n
+        elif at == self.dropped_until:
+            self.dropped_at_until += n
 
     @property
     def read_until(self) -> float | None:
         """When the newest byte written was read (None: unknown, or none)."""
         return self.chunks[-1][1] if self.chunks else self.dropped_until
 
+    @property
+    def read_until_bytes(self) -> int:
+        """How many of the newest bytes written were read at `read_until`."""
+        at = self.read_until
+        n = 0
+        for _offset, chunk_at, _fd, data in reversed(self.chunks):
+            if chunk_at != at:
+                return n
+            n += len(data)
+        return n + (self.dropped_at_until if at is not None and self.dropped_until == at else 0)
+
     def append(self, fd: int, data: bytes, at: float) -> None:
         offset = self.written
         self.written += len(data)
         if len(data) > self.cap:            # only its tail fits
             offset += len(data) - self.cap
+            self._fell_out(at, len(data) - self.cap)
             data = data[-self.cap:]
-            self.dropped_until = at
         self.chunks.append((offset, at, fd, data))
         self.size += len(data)
         while self.size > self.cap:
             _, old_at, _, old = self.chunks.popleft()
             self.size -= len(old)
-            self.dropped_until = old_at if self.dropped_until is None else max(self.dropped_until, old_at)
+            self._fell_out(old_at, len(old))
         self.dropped = self.chunks[0][0] if self.chunks else self.written
 
     def put(self, offset: int, fd: int, data: bytes, at: float) -> None:
@@ -135,11 +158,12 @@ class Ring:
         if offset < self.written:
             data = data[self.written - offset:]
         elif offset > self.written:
-            # The gap was written before this chunk was read: no later than `at`.
+            # The gap was written before this chunk was read: no later than
+            # `at`, so since `at` every byte dropped may have been asked for.
             self.chunks.clear()
             self.size = 0
             self.written = offset
-            self.dropped_until = at
+            self.dropped_until, self.dropped_at_until = at, offset
         self.append(fd, data, at)
 
     def after(self, pos: int, since: float | None = None) -> tuple[int, list[tuple[int, float, int, bytes]]]:
@@ -152,9 +176,13 @@ class Ring:
                 break
             out.append(chunk)
         out.reverse()
-        if since is not None and self.dropped_until is not None and self.dropped_until < since:
-            return 0, out
-        return max(0, self.dropped - pos), out
+        lost = max(0, self.dropped - pos)
+        if since is not None and self.dropped_until is not None:
+            if self.dropped_until < since:
+                return 0, out
+            if self.dropped_until == since:          # only the newest ones, read at `since`
+                return min(lost, self.dropped_at_until), out
+        return lost, out
 
 
 class BgProc:
@@ -630,6 +658,7 @@ class ProcessService:
                 if not proc.vm:
                     proc.rec["output_seen"] = proc.ring.written
                     proc.rec["output_seen_at"] = proc.ring.read_until
+                    proc.rec["output_seen_last"] = proc.ring.read_until_bytes
             sb = self.registry.by_id.get(sb_id)
             if sb is not None and table:
                 try:
@@ -734,10 +763,11 @@ def _output_gone(proc: BgProc, now: float) -> None:
     readopt journals again at once: a later crash must not reuse it."""
     seen = proc.rec.pop("output_seen", None)
     seen_at = proc.rec.pop("output_seen_at", None)
+    last = proc.rec.pop("output_seen_last", None)       # None: a daemon older than the count
     if seen is None:
         proc.ring.lost_before = now
     else:
-        proc.ring.skip_to(int(seen), seen_at)
+        proc.ring.skip_to(int(seen), seen_at, None if last is None else int(last))
 
 
 def _open_pipes(want_stdin: bool) -> tuple[dict[str, int], tuple[int, int, int]]:

@@ -107,6 +107,32 @@ def test_a_follower_resuming_since_its_last_chunk_is_told_of_no_loss(daemon_fact
     c.close()
 
 
+def test_a_follower_since_the_time_of_its_last_chunk_is_told_only_that_chunk_went(daemon_factory,
+                                                                                  busybox_rootfs):
+    """`since` is inclusive: a follower asking again from the very time of
+    the last chunk it got asks for that chunk, which the daemon before took
+    with it; what it read before then was not asked for. It was all
+    reported lost."""
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="128M")
+    ticker = sb.spawn("echo line 0; sleep 0.3; echo line 1; read go; echo line 2")
+    _wait_for_output(ticker, len("line 0\nline 1\n"))
+    last = list(ticker.output(follow=False))[-1]
+    assert last.data == b"line 1\n", last
+    c.close()
+    d.stop(signal.SIGTERM)
+    d.start()
+    c = d.client()
+    ticker = c.get(sb.id).process(ticker.pid)
+    ticker.write(b"go\n")
+    chunks = list(ticker.output(follow=True, since=last.time))
+    assert [ch.dropped for ch in chunks if not ch.data] == [len(last.data)], chunks[:2]
+    assert b"".join(ch.data for ch in chunks) == b"line 2\n"
+    c.close()
+
+
 def _pipes_held(pid: int) -> list[str]:
     fds = os.listdir(f"/proc/{pid}/fd")
     return [t for t in (os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds) if t.startswith("pipe:")]

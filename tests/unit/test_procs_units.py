@@ -60,8 +60,34 @@ def test_bytes_dropped_before_what_a_follower_asks_since_are_not_reported_lost()
     for i in range(5):
         ring.append(1, b"%d%d%d" % (i, i, i), float(i))      # "000" and "111" fall out
     assert ring.after(0, since=2.0)[0] == 0
-    assert ring.after(0, since=1.0)[0] == 6                # "111" was read at 1.0: asked for, lost
+    assert ring.after(0, since=1.0)[0] == 3                # "111" was read at 1.0: asked for, lost
+    assert ring.after(0, since=0.5)[0] == 6                # at most "000" and "111": times not kept
     assert ring.after(0)[0] == 6
+    assert ring.after(4, since=1.0)[0] == 2                # past "000" and "1": "11" lost
+
+
+def test_a_follower_since_the_time_of_the_newest_bytes_dropped_is_told_of_those_only():
+    """`since` is inclusive: since exactly the time the newest of the
+    bytes that fell out were read, those bytes were asked for and are lost,
+    the older ones were not. A daemon that stopped cleanly journals how many
+    it read at its last time (skip_to's `last`)."""
+    ring = Ring(8)
+    ring.append(1, b"aaaa", 1.0)
+    ring.append(1, b"bb", 2.0)
+    ring.append(2, b"cc", 2.0)
+    ring.append(1, b"dddddddd", 3.0)          # all three fall out
+    assert ring.after(0, since=2.0)[0] == 4 and ring.after(0, since=2.5)[0] == 0
+    ring = Ring(100)
+    ring.append(1, b"aaaa", 1.0)
+    ring.append(1, b"bb", 2.0)
+    ring.append(2, b"cc", 2.0)
+    assert (ring.read_until, ring.read_until_bytes) == (2.0, 4)
+    stopped = Ring(100)
+    stopped.skip_to(ring.written, ring.read_until, ring.read_until_bytes)
+    assert stopped.after(0, since=2.0)[0] == 4 and stopped.after(0, since=1.0)[0] == 8
+    unknown = Ring(100)
+    unknown.skip_to(8, 2.0)                   # by a daemon that did not say how many: all of it
+    assert unknown.after(0, since=2.0)[0] == 8
 
 
 def test_what_a_stopped_daemon_read_is_no_loss_to_a_follower_since_later():
