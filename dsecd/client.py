@@ -2079,8 +2079,9 @@ class Process:
         again on the next one from where it was. Nothing comes twice; what
         the daemon that went had read and not sent is gone with it (a
         container's ring is the daemon's), and comes as a ProcOutput with
-        `dropped` (its count, after a clean stop) or `lost_before` (after
-        one that died: uncounted, perhaps nothing). A microVM's agent keeps
+        `dropped` (its count, after a clean stop, which sends what it read
+        first: only what its connection did not take within 5 s) or
+        `lost_before` (after one that died: uncounted, perhaps nothing). A microVM's agent keeps
         its ring, so nothing of it is lost. Where the client does not
         reconnect, or the next daemon does not answer, ConnectionLost says
         that the process runs on and how to follow it again."""

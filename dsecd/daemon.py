@@ -384,6 +384,10 @@ async def serve(cfg, args: argparse.Namespace) -> None:
     monitor.stop()
     if exporter is not None:
         await exporter.stop()
+    # Before the connections close: what the daemon read of background
+    # processes' output reaches their followers, and the rest stays in the
+    # pipes for the next daemon.
+    await node.procs.quiesce()
     await server.stop()
     await node.close()
     notifier.close()

@@ -14,7 +14,8 @@ host pid and start time, and the inode numbers of its pipes); a restarted
 daemon takes the ends back from init by those inodes (pidfd_getfd) and
 registers the exec ids with the sandbox's channel, so init's report of the
 end (queued while no daemon ran) is read. What the old daemon's ring held is
-lost with it.
+lost with it; a clean stop first stops reading the pipes and lets
+followers send what the ring holds (quiesce), so a follower loses nothing.
 
 A process's record lives until it is evicted: at most
 limits.max_procs_per_sandbox per sandbox, exited ones evicted oldest first,
@@ -61,6 +62,10 @@ STDIN, STDOUT, STDERR = 1, 2, 4      # init's release mask (csrc/init.c release_
 # How long after a restart a process found gone may wait for init's report
 # of its end (queued on the channel, read as soon as the loop runs).
 LOST_END_S = 1.0
+# How long a clean stop lets followers send what the daemon read and they
+# have not sent yet (quiesce), before it closes their connections anyway:
+# a client that reads nothing must not hold the stop.
+QUIESCE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -252,6 +257,8 @@ class ProcessService:
         self.tables: dict[str, dict[int, BgProc]] = {}      # sandbox id -> pid -> process, oldest first
         self.starting: dict[str, int] = {}                   # sandbox id -> starts not in its table yet
         self.closing = False
+        self.seats: set[_Seat] = set()                       # the followers of proc_logs, where each is
+        self._seats_moved: asyncio.Event | None = None       # set as one moves, while a stop waits (quiesce)
         self.vm = VmProcs(self)
 
     # ------------------------------------------------------------ start
@@ -397,7 +404,8 @@ class ProcessService:
             fd = proc.fds[name]
             if fd >= 0:
                 os.set_blocking(fd, False)
-                loop.add_reader(fd, self._on_output, sb, proc, name, stream)
+                if not self.closing:        # else what it writes waits in the pipe for the next daemon
+                    loop.add_reader(fd, self._on_output, sb, proc, name, stream)
         if proc.fds["stdin"] >= 0:
             os.set_blocking(proc.fds["stdin"], False)
         run.exited.add_done_callback(lambda fut: self._on_exit(sb, proc, fut))
@@ -610,6 +618,15 @@ class ProcessService:
         chunks, and {"dropped": n} again where a slow follower lost some;
         the result is the process's state."""
         _sb, proc = await self._found(req)
+        seat = _Seat(proc)
+        self.seats.add(seat)
+        try:
+            return await self._follow(proc, req, ctx, seat)
+        finally:
+            self.seats.discard(seat)
+            self._seat_moved()
+
+    async def _follow(self, proc: BgProc, req, ctx, seat: _Seat) -> dict:
         pos = 0
         first = True
         while True:
@@ -631,9 +648,52 @@ class ProcessService:
                     await ctx.emit({"fd": fd, "data": data, "time": at})
             if over or not req.follow:
                 return proc.public()
-            # Shared by every follower: one that is cancelled (its client left)
-            # must not cancel it for the others.
-            await asyncio.shield(tick)
+            seat.pos, seat.waiting = pos, True
+            self._seat_moved()
+            try:
+                # Shared by every follower: one that is cancelled (its client
+                # left) must not cancel it for the others.
+                await asyncio.shield(tick)
+            finally:
+                seat.waiting = False
+
+    def _seat_moved(self) -> None:
+        if self._seats_moved is not None:
+            self._seats_moved.set()
+
+    async def quiesce(self, timeout: float = QUIESCE_S) -> None:
+        """Daemon stop, before its connections close: stop reading the
+        pipes of container processes (what they write from now on waits
+        there for the next daemon, which counts on from what this one read),
+        then wait, `timeout` at most, for every follower to have sent what
+        the ring holds. Else what this daemon read and had not sent yet
+        would go with it: a follower that takes the output up on the next
+        daemon would be told of it as dropped. A microVM's ring is its
+        agent's, given again to the next daemon: nothing of it is waited for."""
+        self.closing = True
+        loop = self.workers.loop
+        for table in self.tables.values():
+            for proc in table.values():
+                for name in ("stdout", "stderr"):
+                    if proc.fds[name] >= 0:
+                        loop.remove_reader(proc.fds[name])
+        self._seats_moved = asyncio.Event()
+        deadline = loop.time() + timeout
+        try:
+            while behind := [s for s in self.seats if not s.proc.vm and not s.sent_all()]:
+                self._seats_moved.clear()
+                left = deadline - loop.time()
+                try:
+                    if left <= 0:
+                        raise TimeoutError
+                    await asyncio.wait_for(self._seats_moved.wait(), left)
+                except TimeoutError:
+                    log.warning("stopping with %d follower(s) of background processes' output not caught up "
+                                "after %.0f s (clients not reading); what they did not get is reported to "
+                                "them as dropped when they follow again", len(behind), timeout)
+                    return
+        finally:
+            self._seats_moved = None
 
     # ------------------------------------------------------------ sandbox ends, daemon stops, restarts
 
@@ -753,6 +813,22 @@ class ProcessService:
         log.warning("sandbox %s: background process %d: %s; recorded as exited, status unknown",
                     sb.id, proc.pid, why)
         self._ended(sb, proc, None)
+
+
+class _Seat:
+    """Where a follower of a process's output (proc_logs) is: `pos`, the
+    offset past what it went through, once it is `waiting` for more."""
+
+    __slots__ = ("proc", "pos", "waiting")
+
+    def __init__(self, proc: BgProc):
+        self.proc = proc
+        self.pos = 0
+        self.waiting = False
+
+    def sent_all(self) -> bool:
+        """Waiting for output past all the ring holds (or for the process's end)."""
+        return self.waiting and self.pos >= self.proc.ring.written
 
 
 def _output_gone(proc: BgProc, now: float) -> None:

@@ -8,10 +8,14 @@ import contextlib
 import os
 import re
 import signal
+import struct
 import threading
 import time
 
+import msgpack
 import pytest
+
+from dsecd import protocol
 
 TICKER = "i=0; while [ $i -lt 40 ]; do echo line $i; i=$((i+1)); sleep 0.1; done; exit 4"
 
@@ -130,6 +134,82 @@ def test_a_follower_since_the_time_of_its_last_chunk_is_told_only_that_chunk_wen
     chunks = list(ticker.output(follow=True, since=last.time))
     assert [ch.dropped for ch in chunks if not ch.data] == [len(last.data)], chunks[:2]
     assert b"".join(ch.data for ch in chunks) == b"line 2\n"
+    c.close()
+
+
+class _Follow:
+    """proc_logs followed on a raw connection of its own, read only when
+    asked: what it does not read waits in the daemon (the client library
+    reads every frame as it comes)."""
+
+    def __init__(self, socket_path: str, sandbox: str, pid: int):
+        import socket
+
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
+        self.sock.settimeout(60)
+        self.sock.connect(socket_path)
+        self.got = 0                    # the offset past the last byte that came
+        self._send({"id": 0, "op": "hello", "args": {"protocol": protocol.PROTOCOL_VERSION, "client": "test"}})
+        assert "result" in self._recv()
+        self._send({"id": 1, "op": "proc_logs", "args": {"sandbox": sandbox, "pid": pid, "follow": True}})
+
+    def _send(self, obj: dict) -> None:
+        self.sock.sendall(protocol.encode_frame(obj))
+
+    def _exactly(self, n: int) -> bytes | None:
+        out = bytearray()
+        while len(out) < n:
+            chunk = self.sock.recv(n - len(out))
+            if not chunk:
+                return None
+            out += chunk
+        return bytes(out)
+
+    def _recv(self) -> dict | None:
+        head = self._exactly(4)
+        if head is None:
+            return None
+        return msgpack.unpackb(self._exactly(struct.unpack(">I", head)[0]), raw=False)
+
+    def read(self, until: int | None = None) -> None:
+        """Read until `until` bytes of output came, or (None) to the end of the connection."""
+        while until is None or self.got < until:
+            frame = self._recv()
+            if frame is None:
+                return
+            stream = frame.get("stream") or {}
+            self.got += stream.get("dropped", 0) + len(stream.get("data", b""))
+
+
+def test_a_clean_stop_sends_a_follower_all_it_read_first(daemon_factory, busybox_rootfs):
+    """What the daemon had read of a process's output and not yet sent to
+    its followers went with it at a clean stop (its connections closed
+    first): a follower taking the output up on the next daemon was told
+    of it as dropped. The daemon stops reading the pipes first (what the
+    process writes then waits there for the next one), and sends what it
+    holds before it closes the connections."""
+    d = daemon_factory('[limits]\nproc_output_bytes = "8M"\n')
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="128M")
+    size = 3_000_000
+    proc = sb.spawn(f"yes 0123456789abcdefghijklmnopqrstuvwxyz | head -c {size}; sleep 600", stdin=False)
+    follow = _Follow(d.socket, sb.id, proc.pid)
+    follow.read(until=1)
+    _wait_for_output(proc, size)        # all read into the ring; most of it not sent: the follower reads nothing
+    c.close()
+    try:
+        d.proc.send_signal(signal.SIGTERM)
+        follow.read()                   # reads again as the daemon stops
+    finally:
+        follow.sock.close()
+    d.stop()
+    d.start()
+    c = d.client()
+    first = next(iter(c.get(sb.id).process(proc.pid).output(follow=False)))
+    assert (first.fd, first.dropped) == (0, size), first         # what the daemon before read
+    assert follow.got == size
     c.close()
 
 
