@@ -24,7 +24,7 @@ import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from .errors import Unsupported
+from .errors import DsecError, Unsupported
 from .fs.libc import rename_noreplace
 
 # Renames in flight at once when the moves go to a sandbox: each is one
@@ -97,10 +97,24 @@ async def into_sandbox(sb, landing: str, dst: str, dirs: list | None = (),
         return {e["name"]: e["type"] == "dir" for e in entries}
 
     merged: list[tuple[str, str]] = []
-    moves = await plan(list_dir, posixpath.join, landing, dst, merged)
+    try:
+        moves = await plan(list_dir, posixpath.join, landing, dst, merged)
+    except (OSError, DsecError) as err:
+        if not _sandbox_failure(err) or not _names(err, landing):   # a directory against a non-directory
+            raise
+        raise stopped(err, landing, dst, None, [], 0) from err
+    done: list[Move] = []
     for i in range(0, len(moves), MOVES_IN_FLIGHT):
-        await asyncio.gather(*(sb.rename(m.src, m.dst, overwrite=m.replace)
-                               for m in moves[i:i + MOVES_IN_FLIGHT]))
+        batch = moves[i:i + MOVES_IN_FLIGHT]
+        results = await asyncio.gather(*(sb.rename(m.src, m.dst, overwrite=m.replace) for m in batch),
+                                       return_exceptions=True)
+        # Each move of the batch ran to its end: those that did not fail are in place.
+        done += [m for m, res in zip(batch, results, strict=True) if not isinstance(res, BaseException)]
+        for m, res in zip(batch, results, strict=True):
+            if _sandbox_failure(res):
+                raise stopped(res, landing, dst, m, done, len(moves)) from res
+            if isinstance(res, BaseException):
+                raise res
     await sb.remove(landing, recursive=True)
     if dirs is None and note is not None:
         note("the tar names more directories than one result lists: the existing directories keep their "
@@ -142,7 +156,12 @@ async def into_local(landing: str, dst: str, top: tuple[int, int] | None = None)
             return {e.name: e.is_dir(follow_symlinks=False) for e in it}
 
     merged: list[tuple[str, str]] = []
-    moves = await plan(list_dir, os.path.join, landing, dst, merged)
+    try:
+        moves = await plan(list_dir, os.path.join, landing, dst, merged)
+    except OSError as err:
+        if not _names(err, landing):         # a directory against a non-directory: dst's path
+            raise
+        raise stopped(err, landing, dst, None, [], 0) from err
     # Read before the moves, which change the mtime of each they leave.
     sets = [(dst, *top)] if top is not None else []
     for src_dir, dst_dir in merged:
@@ -155,15 +174,20 @@ async def into_local(landing: str, dst: str, top: tuple[int, int] | None = None)
     # they came.
     for d in {os.path.dirname(m.src) for m in moves} | {src_dir for src_dir, _ in merged}:
         os.chmod(d, 0o700)
+    done: list[Move] = []
     for m in moves:
-        st = os.lstat(m.src)
-        locked = stat.S_ISDIR(st.st_mode) and not st.st_mode & stat.S_IWUSR
-        if locked:
-            os.chmod(m.src, stat.S_IMODE(st.st_mode) | stat.S_IWUSR)
-        if m.replace:
-            os.replace(m.src, m.dst)
-        else:
-            rename_noreplace(AT_FDCWD, m.src, AT_FDCWD, m.dst)      # relative paths are the cwd's
+        try:
+            st = os.lstat(m.src)
+            locked = stat.S_ISDIR(st.st_mode) and not st.st_mode & stat.S_IWUSR
+            if locked:
+                os.chmod(m.src, stat.S_IMODE(st.st_mode) | stat.S_IWUSR)
+            if m.replace:
+                os.replace(m.src, m.dst)
+            else:
+                rename_noreplace(AT_FDCWD, m.src, AT_FDCWD, m.dst)      # relative paths are the cwd's
+        except OSError as err:
+            raise stopped(err, landing, dst, m, done, len(moves)) from err
+        done.append(m)
         if locked:
             os.chmod(m.dst, stat.S_IMODE(st.st_mode))
     shutil.rmtree(landing)
@@ -172,3 +196,54 @@ async def into_local(landing: str, dst: str, top: tuple[int, int] | None = None)
         os.chmod(path, mode)
         os.utime(path, ns=(mtime_ns, mtime_ns))
     return sum(m.replace for m in moves)
+
+
+def _sandbox_failure(err: BaseException) -> bool:
+    """Whether `err` is what a request of the sandbox's answered (said
+    again by stopped()), not the connection to the daemon lost (a
+    ConnectionError, the client's own failure, which callers tell as such:
+    the daemon removes the landing then, a temporary put's)."""
+    return isinstance(err, DsecError) or (isinstance(err, OSError) and not isinstance(err, ConnectionError))
+
+
+def _names(err: OSError | DsecError, path: str) -> bool:
+    """Whether `err` says `path` (a landing directory) anywhere."""
+    text = err.message if isinstance(err, DsecError) else f"{err.strerror} {err.filename}"
+    return path in text
+
+
+SHOWN_MOVES = 5     # names a failed merge lists of those that had moved in
+
+
+def stopped(err: OSError | DsecError, landing: str, dst: str, failed: Move | None, done: list[Move],
+            total: int) -> OSError | DsecError:
+    """`err`, which stopped a merge at the move `failed` (None: before any
+    move), said in the user's terms: the destination and the name that
+    failed rather than the landing directory (which the caller removes
+    with what it still holds), and which names had moved into `dst`
+    already, those being the changes the copy made. Same class, code and
+    errno."""
+    if isinstance(err, DsecError):
+        reason = err.message
+        if failed is not None:
+            reason = reason.split(f"{failed.src} -> {failed.dst}: ", 1)[-1]
+    else:
+        reason = err.strerror or str(err)
+        if err.filename and failed is None:
+            reason = f"{reason}: {err.filename}"
+    reason = reason.replace(landing, dst)
+    if failed is None:
+        text = f"copy into {dst} stopped: {reason}; nothing of {dst} was changed"
+    else:
+        names = ", ".join(m.dst for m in done[:SHOWN_MOVES]) + (", ..." if len(done) > SHOWN_MOVES else "")
+        replaced = sum(m.replace for m in done)
+        text = (f"copy into {dst} stopped at {failed.dst}: {reason}; "
+                + (f"{len(done)} of {total} names had moved in ({names}"
+                   + (f"; {replaced} of them replaced a file" if replaced else "") + ")"
+                   if done else f"none of its {total} names had moved in")
+                + "; the rest of the copy was not made")
+    if isinstance(err, DsecError):
+        out = type(err)(text, {**err.detail, "path": dst})
+        out.code = err.code
+        return out
+    return OSError(err.errno, text)

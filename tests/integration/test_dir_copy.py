@@ -751,3 +751,39 @@ def test_cli_cp_recursive_out_of_a_sandbox_gives_those_it_merges_into_the_source
     assert r.returncode == 0 and r.stderr == b"", r.stderr
     assert stat.S_IMODE(os.stat(dst).st_mode) == 0o700 and os.stat(dst).st_mtime == 2_000_000
     assert [n for n in os.listdir(dst) if n.startswith(".dsec-")] == []
+
+
+def test_cli_cp_recursive_merge_that_fails_says_what_of_the_destination_it_changed(daemon, sandbox, tmp_path):
+    """A merge stopped by a move that fails (/tmp is a file system of its
+    own: a rename from the landing directory into it is EXDEV) names the
+    destination, not the landing directory, and says which names had
+    already moved in."""
+    src = tmp_path / "src"
+    (src / "tmp").mkdir(parents=True)
+    (src / "tmp" / "x").write_bytes(b"x\n")
+    (src / "aaa").write_bytes(b"a\n")
+    r = daemon.cli("cp", "-r", f"{src}/.", f"{sandbox.id}:/")
+    err = r.stderr.decode()
+    assert r.returncode == 1 and ".dsec-cp-" not in err, err
+    assert "/tmp/x" in err and "Invalid cross-device link" in err and "1 of 2" in err and "/aaa" in err, err
+    assert sandbox.read_file("/aaa") == b"a\n" and leftovers(sandbox, "/") == []
+
+
+def test_cli_cp_recursive_out_of_a_sandbox_merge_that_fails_says_what_it_changed(daemon, sandbox, tmp_path):
+    """The same for a local destination: a name whose move is refused (an
+    immutable directory) is named with what had moved in before it."""
+    import subprocess
+
+    sandbox.exec(["sh", "-c", "mkdir -p /work/m/sub && echo a > /work/m/aaa && echo f > /work/m/sub/f"])
+    dst = tmp_path / "dst"
+    (dst / "sub").mkdir(parents=True)
+    if subprocess.run(["chattr", "+i", str(dst / "sub")], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not supported here")
+    try:
+        r = daemon.cli("cp", "-r", f"{sandbox.id}:/work/m/.", str(dst))
+    finally:
+        subprocess.run(["chattr", "-i", str(dst / "sub")], check=True)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and ".dsec-cp-" not in err, err
+    assert f"{dst}/sub/f" in err and "1 of 2" in err and f"{dst}/aaa" in err, err
+    assert sorted(os.listdir(dst)) == ["aaa", "sub"] and os.listdir(dst / "sub") == []

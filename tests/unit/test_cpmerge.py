@@ -200,3 +200,20 @@ def test_a_put_with_too_many_directories_to_list_merges_and_says_they_keep_their
         assert not [c for c in sb.calls if c[0] == "set_attrs"]
     assert notes == ["the tar names more directories than one result lists: the existing directories keep "
                      "their modes and mtimes"]
+
+
+def test_a_connection_lost_under_the_moves_stays_the_error_it_was(tmp_path):
+    """A lost connection is the client's own failure, which the CLI tells
+    as such (`unreachable`): the merge does not make it another error.
+    (The daemon removes the landing, a temporary put's, once the
+    connection is gone.)"""
+    from dsecd.errors import ConnectionLost
+
+    class _Cut(_FakeSandbox):
+        async def rename(self, src: str, dst: str, overwrite: bool = False):
+            raise ConnectionLost("connection to dsecd lost", op="file_rename", sent=True)
+
+    _tree(tmp_path / "dst", {".land": {"a": "a"}})
+    with pytest.raises(ConnectionLost) as info:
+        asyncio.run(cpmerge.into_sandbox(_Cut(tmp_path), "/dst/.land", "/dst", []))
+    assert info.value.op == "file_rename"
