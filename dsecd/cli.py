@@ -1516,7 +1516,7 @@ async def _cp_file_tar_out(a, sb, sb_id: str, src: str) -> int:
         async with contextlib.aclosing(sb.read_chunks(src)) as chunks:
             async for piece in chunks:
                 spool.write(piece)
-        info = tarfile.TarInfo(posixpath.basename(src.rstrip("/")))
+        info = cptar.RawNameTarInfo(posixpath.basename(src.rstrip("/")))
         info.size = spool.tell()
         info.mode = st["mode"] & 0o777 if st["type"] == "file" else 0o644
         info.mtime = int(st.get("mtime") or time.time())

@@ -273,12 +273,45 @@ class _FdWriter:
         return len(data)
 
 
+class RawNameTarInfo(tarfile.TarInfo):
+    """A member whose PAX records (a name or link target that is not
+    UTF-8, say) hold their bytes as they are, without the hdrcharset=BINARY
+    record tarfile adds for them: GNU tar (1.34) knows no hdrcharset and
+    warns of it once a member, while it takes a path record that is not
+    UTF-8 as its bytes, and so do tarfile (which falls back to its
+    encoding, with surrogateescape the bytes themselves) and the daemon's
+    extraction. A name that is UTF-8 is written as before."""
+
+    @classmethod
+    def _create_pax_generic_header(cls, pax_headers, type, encoding):
+        if type != tarfile.XHDTYPE or all(_utf8(value) for value in pax_headers.values()):
+            return super()._create_pax_generic_header(pax_headers, type, encoding)
+        records = b""
+        for keyword, value in pax_headers.items():
+            record = b" " + keyword.encode("utf-8") + b"=" + value.encode("utf-8", "surrogateescape") + b"\n"
+            n = len(record)
+            while len(str(n)) + len(record) != n:       # the length counts its own digits
+                n = len(str(n)) + len(record)
+            records += str(n).encode("ascii") + record
+        info = {"name": "././@PaxHeader", "type": type, "size": len(records), "magic": tarfile.POSIX_MAGIC}
+        return cls._create_header(info, tarfile.USTAR_FORMAT, "ascii", "replace") + cls._create_payload(records)
+
+
+def _utf8(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _retar(src, top: str, fd: int) -> None:
     """The tar read from `src` (the daemon's: "." its top, the rest below
     it) written to `fd`, each entry checked again as download_dir checks it
     and renamed below `top` ("" keeps the names)."""
     seen = tarsafe.Seen(1 << 62, 1 << 62)           # the daemon counted them against its limits
-    with tarfile.open(fileobj=src, mode="r|", encoding="utf-8", errors="surrogateescape") as tin, \
+    with tarfile.open(fileobj=src, mode="r|", encoding="utf-8", errors="surrogateescape",
+                      tarinfo=RawNameTarInfo) as tin, \
             tarfile.open(fileobj=_FdWriter(fd), mode="w|", format=tarfile.PAX_FORMAT, encoding="utf-8",
                          errors="surrogateescape") as tout:
         for m in tin:
@@ -290,7 +323,7 @@ def _retar(src, top: str, fd: int) -> None:
             tout.addfile(m, tin.extractfile(m) if m.isreg() else None)
 
 
-def one_file_tar(info: tarfile.TarInfo, fileobj, fd: int = 1) -> None:
+def one_file_tar(info: RawNameTarInfo, fileobj, fd: int = 1) -> None:
     """A tar of the one entry `info`, its bytes read from `fileobj`, written to `fd`."""
     with tarfile.open(fileobj=_FdWriter(fd), mode="w|", format=tarfile.PAX_FORMAT, encoding="utf-8",
                       errors="surrogateescape") as tout:

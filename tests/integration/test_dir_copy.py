@@ -787,3 +787,46 @@ def test_cli_cp_recursive_out_of_a_sandbox_merge_that_fails_says_what_it_changed
     assert r.returncode == 1 and ".dsec-cp-" not in err, err
     assert f"{dst}/sub/f" in err and "1 of 2" in err and f"{dst}/aaa" in err, err
     assert sorted(os.listdir(dst)) == ["aaa", "sub"] and os.listdir(dst / "sub") == []
+
+
+def test_cli_cp_to_stdout_names_that_are_not_utf8_read_by_gnu_tar_without_warnings(daemon, box, tmp_path):
+    """A name (or a link's target) that is not UTF-8 goes into the tar as
+    its bytes in a PAX path record: GNU tar knows no hdrcharset record
+    (Python's writer marks such a header with one) and warned of it once a
+    file. GNU tar, dsec cp - and tarfile read the bytes back as they were."""
+    import shutil
+    import subprocess
+
+    from conftest import VENV_BIN
+
+    if shutil.which("tar") is None:
+        pytest.skip("no tar")
+    long = b"\xe9" * 150
+    octal = "".join(f"\\{b:o}" for b in long)
+    box.exec(["sh", "-c", "cd /work/in && echo a > \"$(printf '\\377-f')\" && mkdir \"$(printf '\\351-d')\" && "
+                          "echo b > \"$(printf '\\351-d')/$(printf '\\376')\" && "
+                          "ln -s \"$(printf '\\377-f')\" link && ln \"$(printf '\\377-f')\" hard && "
+                          f"echo c > \"$(printf '{octal}')\""])
+    out = tmp_path / "out"
+    out.mkdir()
+    dsec = f"'{VENV_BIN / 'dsec'}' --socket '{daemon.socket}'"
+    r = subprocess.run(f"{dsec} cp {box.id}:/work/in - | tar -x -C '{out}'", shell=True, executable="/bin/bash",
+                       capture_output=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    top = os.fsencode(out / "in")
+    assert sorted(os.listdir(top)) == sorted([b"\xff-f", b"\xe9-d", b"link", b"hard", long, b"empty", b"keep"])
+    assert os.readlink(os.path.join(top, b"link")) == b"\xff-f"
+    assert os.listdir(os.path.join(top, b"\xe9-d")) == [b"\xfe"]
+    assert os.stat(os.path.join(top, b"hard")).st_ino == os.stat(os.path.join(top, b"\xff-f")).st_ino
+    box.exec(["mkdir", "/work/back"])
+    r = subprocess.run(f"{dsec} cp {box.id}:/work/in - | {dsec} cp - {box.id}:/work/back", shell=True,
+                       executable="/bin/bash", capture_output=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    got = box.exec(["sh", "-c", "cd /work/back/in && for f in *; do printf '%s\\0' \"$f\"; done && readlink link"])
+    got = got.stdout.split(b"\0")
+    assert sorted(got[:-1]) == sorted([b"\xff-f", b"\xe9-d", b"link", b"hard", long, b"empty", b"keep"])
+    assert got[-1] == b"\xff-f\n"
+    with tarfile.open(fileobj=io.BytesIO(daemon.cli("cp", f"{box.id}:/work/in", "-").stdout),
+                      encoding="utf-8", errors="surrogateescape") as tf:
+        names = {os.fsencode(m.name) for m in tf}
+    assert {b"in/\xff-f", b"in/\xe9-d/\xfe", b"in/" + long} <= names

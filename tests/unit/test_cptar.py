@@ -150,3 +150,25 @@ def test_bytes_after_an_xz_stream_that_are_no_stream_are_refused():
     stream: the rest of the input would be lost without a word."""
     with pytest.raises(BadRequest, match="xz stream is followed by bytes that are"):
         _undone(lzma.compress(b"first ") + b"\0" * 4 + b"garbage")
+
+
+@pytest.mark.parametrize("size", [1, 80, 86, 87, 88, 200, 994, 995, 996])
+def test_a_name_that_is_not_utf8_is_written_as_its_bytes_without_hdrcharset(tmp_path, size):
+    """GNU tar knows no hdrcharset record and warns of one: the name's
+    bytes go into the path record alone, whose length (its own digits
+    counted) tarfile and tar check; tarfile reads the bytes back. Sizes
+    cross the lengths where the record's count gains a digit."""
+    import io
+    import tarfile
+
+    name = os.fsdecode(b"\xff" * size)
+    info = cptar.RawNameTarInfo(name)
+    info.size = 2
+    out = tmp_path / "t.tar"
+    with open(out, "wb") as f:
+        cptar.one_file_tar(info, io.BytesIO(b"ab"), f.fileno())
+    data = out.read_bytes()
+    assert b"hdrcharset" not in data
+    with tarfile.open(out, encoding="utf-8", errors="surrogateescape") as tf:
+        (m,) = tf.getmembers()
+        assert os.fsencode(m.name) == b"\xff" * size and tf.extractfile(m).read() == b"ab"
