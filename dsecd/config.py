@@ -107,7 +107,7 @@ POSITIVE = {
     "fncall.default_timeout_s", "fncall.kill_grace_s", "fncall.max_inflight", "fncall.max_timeout_s", "fncall.pids",
     "fncall.rlimit_as", "fncall.rlimit_fsize", "fncall.rlimit_nofile", "fncall.rlimit_nproc", "fncall.tmp_size",
     "fncall.uid_count", "fncall.zygote_max_calls", "fncall.zygote_start_timeout_s",
-    "images.max_pulls", "images.pull_parallel_layers", "images.pull_timeout_s", "limits.frame_timeout_s",
+    "images.max_flattens", "images.max_pulls", "images.pull_parallel_layers", "images.pull_timeout_s", "limits.frame_timeout_s",
     "limits.hello_timeout_s", "limits.max_connections", "limits.max_procs_per_sandbox",
     "limits.max_requests_per_client", "limits.max_sandboxes", "limits.max_tar_entries", "limits.max_tar_puts",
     "limits.max_watches", "memory.background_threads", "memory.freeze_timeout_s", "microvm.balloon_idle_s",

@@ -197,6 +197,7 @@ class ImageService:
         try:
             self.images = ImageStore(store, cfg.state_dir / "scratch", section["default_registry"])
             self.images.max_layer_bytes = cfg.size("images", "max_layer_bytes")
+            self.images.max_flattens = int(section["max_flattens"])
             # The most entries a client's directory copy (_read_as_client)
             # makes: as many as a directory copy into a sandbox may hold.
             self.max_copy_entries = int(cfg.section("limits")["max_tar_entries"])

@@ -67,18 +67,44 @@ class Unsupported(Exception):
     """A layer holds overlay bookkeeping the merge does not reproduce."""
 
 
+class TooLarge(Exception):
+    """The merged tree's files came to more than the merge's `max_bytes`."""
+
+    def __init__(self, total: int, max_bytes: int, path: str, layer: int, of: int):
+        super().__init__(f"layer {layer} of {of} brings the merged tree's files to {total} bytes at {path}")
+        self.total, self.max_bytes, self.path, self.layer, self.of = total, max_bytes, path, layer, of
+
+
+class NoRoom(Exception):
+    """The next file would not fit in what `room()` says is free."""
+
+    def __init__(self, need: int, free: int, path: str, written: int):
+        super().__init__(f"{path} ({need} bytes) does not fit in the {max(0, free)} bytes free to write "
+                         f"after {written} bytes of the merged tree")
+        self.need, self.free, self.path, self.written = need, free, path, written
+
+
 class _Bookkeeping(Exception):
     """_attrs met one of UNSUPPORTED (or an "x" opaque mark): its name."""
 
 
 def merge(layers: list[str], dest: Path, progress: Callable[[dict], None] | None = None,
-          cancelled: threading.Event | None = None) -> None:
+          cancelled: threading.Event | None = None, max_bytes: int = 0,
+          room: Callable[[], int] | None = None) -> None:
     """Apply the layer trees `layers` (bottom first) into `dest`, a new
     directory. Progress: {"step": "merge", "layer", "of", "entries",
     "bytes"} (of the layer being applied, 1-based; entries and bytes copied
-    so far in all), at most every PROGRESS_EVERY_S."""
+    so far in all), at most every PROGRESS_EVERY_S.
+
+    `max_bytes` (0: none) bounds the apparent size of the files the tree
+    holds (a file of several names once; a file a later layer replaces or
+    removes no longer counts): TooLarge as soon as one copied would take it
+    past, before it is written, as the tree is the flat layer mkfs.erofs
+    packs. `room()` (None: not asked) gives the bytes the tree may still
+    take on its file system: NoRoom before a file that would not fit is
+    written (a copy is written whole, sparse or not)."""
     dest.mkdir(mode=0o700)
-    state = _State(len(layers), progress, cancelled)
+    state = _State(len(layers), progress, cancelled, max_bytes, room)
     for n, top in enumerate(layers, 1):
         state.layer = n
         _apply(Path(top), dest, state)
@@ -86,11 +112,23 @@ def merge(layers: list[str], dest: Path, progress: Callable[[dict], None] | None
 
 
 class _State:
-    def __init__(self, of: int, progress, cancelled):
+    def __init__(self, of: int, progress, cancelled, max_bytes: int = 0, room=None):
         self.of, self.layer = of, 0
         self.entries = self.bytes = 0
         self.progress, self.cancelled = progress, cancelled
         self.last = 0.0
+        self.max_bytes, self.room = max_bytes, room
+        self.live = 0         # apparent bytes of the files the tree holds now, each once
+
+    def adding(self, size: int, path: str) -> None:
+        """A copy of `size` bytes is about to be written at `path`."""
+        if self.max_bytes and self.live + size > self.max_bytes:
+            raise TooLarge(self.live + size, self.max_bytes, path, self.layer, self.of)
+        if self.room is not None and size:
+            free = self.room()
+            if size > free:
+                raise NoRoom(size, free, path, self.bytes)
+        self.live += size
 
     def tick(self, copied: int = 0) -> None:
         self.entries += 1
@@ -116,7 +154,7 @@ def _apply(top: Path, dest: Path, state: _State) -> None:
     except _Bookkeeping as err:
         raise _unsupported(state, "/", str(err)) from None
     if _opaque(str(top)):
-        _clear(str(dest))
+        state.live -= _clear(str(dest))
     stack = [("", str(top))]
     while stack:
         rel, src_dir = stack.pop()
@@ -141,21 +179,23 @@ def _apply_entry(entry: os.DirEntry, rel: str, dest: Path, stack: list, linked: 
     st = os.lstat(src)
     copied = 0
     if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:        # a whiteout
-        _remove(out)
+        state.live -= _remove(out)
     elif stat.S_ISDIR(st.st_mode):
         if not os.path.isdir(out) or os.path.islink(out):
-            _remove(out)
+            state.live -= _remove(out)
             os.mkdir(out, 0o700)
         elif _opaque(src):
-            _clear(out)
+            state.live -= _clear(out)
         _attrs(src, out, st)
         stack.append((os.path.join(rel, entry.name), src))
     else:
-        _remove(out)
+        state.live -= _remove(out)
         key = (st.st_dev, st.st_ino)
         if st.st_nlink > 1 and key in linked:
             os.link(linked[key], out)
         else:
+            if stat.S_ISREG(st.st_mode):
+                state.adding(st.st_size, "/" + os.path.join(rel, entry.name))
             copied = _copy(src, out, st)
             if st.st_nlink > 1:
                 linked[key] = out
@@ -215,20 +255,39 @@ def _opaque(path: str) -> bool:
         return False
 
 
-def _remove(path: str) -> None:
-    """Remove whatever is at `path`, a tree included; nothing there is fine."""
+def _remove(path: str) -> int:
+    """Remove whatever is at `path`, a tree included; nothing there is
+    fine. Returns the apparent bytes of the files that went with it (those
+    with a name left elsewhere in the tree stay)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return
+        return 0
     if stat.S_ISDIR(st.st_mode):
+        freed = _tree_bytes(path)
         shutil.rmtree(path)
-    else:
-        os.unlink(path)
+        return freed
+    os.unlink(path)
+    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
 
 
-def _clear(path: str) -> None:
-    """Remove what the directory `path` holds (the layers below an opaque one)."""
+def _tree_bytes(top: str) -> int:
+    """The apparent bytes of the regular files under `top` that have no
+    name outside it."""
+    names: dict[tuple[int, int], list] = {}       # (dev, ino) -> [names under top, nlink, size]
+    for root, _dirs, files in os.walk(top):
+        for name in files:
+            st = os.lstat(os.path.join(root, name))
+            if stat.S_ISREG(st.st_mode):
+                names.setdefault((st.st_dev, st.st_ino), [0, st.st_nlink, st.st_size])[0] += 1
+    return sum(size for n, nlink, size in names.values() if n >= nlink)
+
+
+def _clear(path: str) -> int:
+    """Remove what the directory `path` holds (the layers below an opaque
+    one); the apparent bytes freed, as _remove counts them."""
+    freed = _tree_bytes(path)
     with os.scandir(path) as entries:
         for entry in list(entries):
             _remove(entry.path)
+    return freed

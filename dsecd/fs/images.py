@@ -95,7 +95,9 @@ def _canonical(obj: dict) -> bytes:
 # How many times a ref is read that answers ESTALE (a network file system:
 # another host renamed a new ref over it) before it counts as unreadable.
 STALE_READS = 3
-UNPACK_PREFIX = "unpack-"       # a tarball or layout unpacked in the scratch dir, one dir per layer
+UNPACK_PREFIX = "unpack-"
+# The most a flatten leaves free on the scratch dir's file system (less on one smaller than 20 GiB: 5% of it).
+SCRATCH_RESERVE = 1 << 30       # a tarball or layout unpacked in the scratch dir, one dir per layer
 
 
 class ImageStore:
@@ -115,6 +117,11 @@ class ImageStore:
         # root file system tarball) may unpack to, as for a pulled one
         # (images.max_layer_bytes; 0: no bound).
         self.max_layer_bytes = 0
+        # Flattens at once (images.max_flattens): each writes the whole merged
+        # image into the scratch dir before it is packed; more are refused.
+        self.max_flattens = 1
+        self._flattens = 0
+        self._flattens_lock = threading.Lock()
         # digest -> parsed manifest. Content-addressed, so never stale: every
         # create resolves its image, and need not re-read and re-hash the blob.
         self._manifests: dict[str, dict] = {}
@@ -699,6 +706,34 @@ class ImageStore:
             target, parent, made_from, replace = self.name_free(new_name), image.name, image.manifest, False
         else:
             target, parent, made_from, replace = image.name, image.parent, image.parent_manifest, True
+        with self._flatten_slot(image.name):
+            return self._flatten(image, target, parent, made_from, replace, mounted, progress, cancelled)
+
+    @contextlib.contextmanager
+    def _flatten_slot(self, name: str) -> Iterator[None]:
+        """One of images.max_flattens, for the with block; ImageError busy if all are taken."""
+        with self._flattens_lock:
+            if self._flattens >= self.max_flattens:
+                raise ImageError("busy", f"flatten of {name!r}: {self._flattens} flatten(s) already running, "
+                                 f"images.max_flattens ({self.max_flattens}); each writes the whole merged image "
+                                 f"into {self.scratch} first: retry once one has ended, or raise "
+                                 "images.max_flattens if the scratch disk has room for more")
+            self._flattens += 1
+        try:
+            yield
+        finally:
+            with self._flattens_lock:
+                self._flattens -= 1
+
+    def _scratch_room(self) -> int:
+        """Bytes the scratch dir's file system may still take: its free
+        space less what stays free for the state dir and other writers
+        there (the smaller of 1 GiB and 5% of it)."""
+        st = os.statvfs(self.scratch)
+        return st.f_bavail * st.f_frsize - min(SCRATCH_RESERVE, st.f_blocks * st.f_frsize // 20)
+
+    def _flatten(self, image: Image, target: str, parent: str | None, made_from: str | None, replace: bool,
+                 mounted, progress: Progress | None, cancelled: threading.Event | None) -> Image:
         with self.pinning() as hold:
             hold(image.manifest)
             self._hold_existing(hold, image.layers)
@@ -707,7 +742,19 @@ class ImageStore:
                 tree = work / "tree"
                 with mounted(image.layer_digests) as dirs:
                     try:
-                        flatten.merge(dirs, tree, progress, cancelled)
+                        flatten.merge(dirs, tree, progress, cancelled, self.max_layer_bytes, self._scratch_room)
+                    except flatten.TooLarge as err:
+                        raise ImageError("limit", f"flatten of {image.name!r}: {err}: the flat layer would be "
+                                         f"past images.max_layer_bytes ({err.max_bytes} bytes), which bounds "
+                                         "a layer as a pull's or a build's; nothing published: raise "
+                                         "images.max_layer_bytes, or remove large files in a new snapshot "
+                                         "before flattening") from None
+                    except flatten.NoRoom as err:
+                        raise ImageError("io", f"flatten of {image.name!r}: the merged tree is written in "
+                                         f"{self.scratch}, which has no room for the next file: {err}, keeping "
+                                         "the smaller of 1 GiB and 5% of its disk free for other writers; "
+                                         "nothing published: free space there (the image's layers total "
+                                         f"{image.size} bytes)") from None
                     except flatten.Cancelled:
                         raise ImageError("conflict", f"flatten of {image.name!r} cancelled: nothing "
                                          "published") from None
