@@ -22,7 +22,7 @@ import time
 import pytest
 from conftest import skip_unless_microvm
 
-from dsecd.errors import DsecError
+from dsecd.errors import DsecError, NotFound
 
 # Its VMs start from the run's templates (conftest.VM_TEMPLATES): none of its tests is about how one is built.
 pytestmark = pytest.mark.shared_vm_templates
@@ -443,10 +443,14 @@ def test_destroy_leaves_nothing(box, daemon):
     ended: list = []
     other = daemon.client()
     try:
-        running = threading.Thread(target=lambda: ended.append(_run(other.get(sb.id), ["sleep", "60"])))
+        running = threading.Thread(target=lambda: ended.append(
+            _run(other.get(sb.id), ["sh", "-c", "echo up > /tmp/exec-up; exec sleep 60"])))
         running.start()
+        # Running, not only counted: an exec counts from its request on, and
+        # one whose start a destroy cuts off is `conflict` ("sandbox is
+        # exiting"), never having run.
         deadline = time.monotonic() + 30
-        while sb.inspect()["execs_running"] == 0 and time.monotonic() < deadline:
+        while not _exists(sb, "/tmp/exec-up") and time.monotonic() < deadline:
             time.sleep(0.05)
         sb.destroy(force=True)
         running.join(60)
@@ -467,6 +471,14 @@ def test_destroy_leaves_nothing(box, daemon):
                 break
             time.sleep(0.05)
         assert not d.exists() or sb.id not in os.listdir(d)
+
+
+def _exists(sb, path: str) -> bool:
+    try:
+        sb.read_file(path)
+    except NotFound:
+        return False
+    return True
 
 
 def _run(sb, argv):

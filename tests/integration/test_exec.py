@@ -171,7 +171,14 @@ def test_destroy_with_running_exec_needs_force(client):
     sb = client.create(image="busybox")
     c2 = __import__("dsecd").SyncClient(client._client.socket_path)
     c2.connect()
-    t = threading.Thread(target=lambda: c2.get(sb.id).exec(["sleep", "30"]))
+    ended: list = []
+
+    def run() -> None:
+        try:
+            ended.append(c2.get(sb.id).exec(["sleep", "30"]))
+        except DsecError as err:       # destroyed before it started: "sandbox is exiting"
+            ended.append(err)
+    t = threading.Thread(target=run)
     t.start()
     deadline = time.monotonic() + 5
     while client.get(sb.id).info["execs_running"] == 0 and time.monotonic() < deadline:
@@ -181,7 +188,7 @@ def test_destroy_with_running_exec_needs_force(client):
     sb.destroy(force=True)
     t.join(10)
     c2.close()
-    assert not t.is_alive()
+    assert not t.is_alive() and len(ended) == 1
 
 
 @pytest.mark.parametrize("streamed", [False, True])
