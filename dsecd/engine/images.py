@@ -501,6 +501,21 @@ class ImageService:
 
         return progress
 
+    async def _publishing_call(self, op: str, fn, *args) -> dict:
+        """fn(*args, cancelled) in a worker (_images_call), counted as image
+        op `op`, for work that ends by publishing an image's name: a cancel
+        sets `cancelled`, which fn looks at last just before it publishes,
+        so a cancelled request publishes nothing. The image, as answered."""
+        cancelled = threading.Event()
+        with count_image_op(op) as done:
+            try:
+                image = await self._images_call(fn, *args, cancelled)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            done(image)
+        return image.to_dict()
+
     async def _images_call(self, fn, *args, slot: asyncio.Semaphore | None = None, on_cancel=None):
         """fn(*args) in a worker (holding `slot` while it runs, workers.run_in_slot),
         its store errors as the protocol's."""
@@ -524,16 +539,8 @@ class ImageService:
                                            cmd=req.cmd, labels=req.labels, exposed_ports=req.exposed_ports)
         except imageconfig.ConfigError as err:
             raise BadRequest(f"image_build: {err}") from err
-        cancelled = threading.Event()      # a cancel stops the build short of publishing it
-        with count_image_op("build") as done:
-            try:
-                image = await self._images_call(self._build_from_client_path, ctx, req, config,
-                                                self._progress(ctx), cancelled)
-            except asyncio.CancelledError:
-                cancelled.set()
-                raise
-            done(image)
-        return image.to_dict()
+        return await self._publishing_call("build", self._build_from_client_path, ctx, req, config,
+                                           self._progress(ctx))
 
     def _build_from_client_path(self, ctx, req, config: dict, progress,
                                 cancelled: threading.Event) -> Image:
@@ -694,16 +701,8 @@ class ImageService:
     async def flatten(self, req, ctx) -> dict:
         """An image as one layer (ImageStore.flatten), its progress streamed;
         a cancel stops it short of publishing."""
-        cancelled = threading.Event()
-        with count_image_op("flatten") as done:
-            try:
-                image = await self._images_call(self.images.flatten, req.name, req.as_name, self._mounted,
-                                                self._progress(ctx), cancelled)
-            except asyncio.CancelledError:
-                cancelled.set()
-                raise
-            done(image)
-        return image.to_dict()
+        return await self._publishing_call("flatten", self.images.flatten, req.name, req.as_name, self._mounted,
+                                           self._progress(ctx))
 
     @contextlib.contextmanager
     def _mounted(self, digests: list[str]):
