@@ -20,17 +20,17 @@ addresses.
 from __future__ import annotations
 
 import errno
-import os
 import socket
 import struct
 from dataclasses import dataclass
 
+from .nldump import Replies
+
 NETLINK_NETFILTER = 12
 _CT_GET = (1 << 8) | 1          # NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_GET
 _CT_DELETE = (1 << 8) | 2       # ... | IPCTNL_MSG_CT_DELETE
-_NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_DUMP, _NLM_F_DUMP_INTR = 0x1, 0x4, 0x300, 0x10
+_NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_DUMP = 0x1, 0x4, 0x300
 _DUMP_TRIES = 8                 # as nldump.DUMP_TRIES
-_NLMSG_ERROR, _NLMSG_DONE = 2, 3
 _CTA_TUPLE_ORIG, _CTA_ID, _CTA_ZONE = 1, 12, 18
 _CTA_TUPLE_IP = 1
 _ADDR_ATTRS = {socket.AF_INET: (1, 2), socket.AF_INET6: (3, 4)}     # CTA_IP_V4_SRC/DST, CTA_IP_V6_SRC/DST
@@ -116,35 +116,13 @@ class CtSocket:
 
     def _messages(self, seq: int):
         """(type, buffer, body start, end) of each reply to request `seq`,
-        until its end (NLMSG_DONE, or the ack of a non-dump); CtError for
-        an error reply, or for a dump's NLMSG_DONE carrying an errno (the
-        kernel could not finish it). Sets `interrupted` if any of them
-        (NLMSG_DONE too) says the table changed during the dump."""
+        until its end (nldump.Replies: CtError for an error reply, or for a
+        dump's NLMSG_DONE carrying an errno). Sets `interrupted` if any of
+        them (NLMSG_DONE too) says the table changed during the dump."""
         self.interrupted = False
-        while True:
-            buf = self.sock.recv(1 << 16)
-            at = 0
-            while at + _HDR.size <= len(buf):
-                length, kind, flags, mseq, _pid = _HDR.unpack_from(buf, at)
-                if length < _HDR.size:
-                    raise CtError(errno.EPROTO, f"conntrack: a reply of length {length}")
-                end = at + length
-                if mseq == seq:
-                    self.interrupted = self.interrupted or bool(flags & _NLM_F_DUMP_INTR)
-                    if kind == _NLMSG_DONE:
-                        # Its payload: 0, or the negative errno of a dump
-                        # the kernel could not finish (what came is partial).
-                        code = -struct.unpack_from("=i", buf, at + _HDR.size)[0] if length >= _HDR.size + 4 else 0
-                        if code > 0:
-                            raise CtError(code, f"conntrack: the dump ended early: {os.strerror(code)}")
-                        return
-                    if kind == _NLMSG_ERROR:
-                        code = -struct.unpack_from("=i", buf, at + _HDR.size)[0]
-                        if code:
-                            raise CtError(code, f"conntrack: {os.strerror(code)}")
-                        return      # the ack
-                    yield kind, buf, at + _HDR.size, end
-                at = (end + 3) & ~3
+        replies = Replies(self.sock, seq, "conntrack", CtError, 1 << 16)
+        yield from replies
+        self.interrupted = replies.interrupted
 
     def dump(self, family: int, containing: bytes = b"") -> list[Entry]:
         """The entries of the table of `family` (AF_INET or AF_INET6) whose

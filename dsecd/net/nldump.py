@@ -55,37 +55,57 @@ class DumpInterrupted(OSError):
     """Every try of a dump was interrupted by a change of its table."""
 
 
+class Replies:
+    """The replies to netlink request `seq` on `sock`, as (type, buffer,
+    body start, end) of each message, until the request's end: NLMSG_DONE
+    of a dump, or the ack of a request that asked for one. Messages of other
+    requests are passed over. `error` (an OSError class, raised as
+    error(errno, "<what>: ...")) for an error reply, a malformed header, or
+    a dump's NLMSG_DONE carrying an errno (the kernel could not finish it:
+    netlink_dump's dump_done_errno; what came is part of the table only).
+    `interrupted` says, once iterated, whether any of them (NLMSG_DONE too)
+    carried NLM_F_DUMP_INTR: the table changed during the dump."""
+
+    def __init__(self, sock: socket.socket, seq: int, what: str, error: type[OSError] = OSError,
+                 recv_bytes: int = RECV_BYTES):
+        self.sock, self.seq, self.what, self.error, self.recv_bytes = sock, seq, what, error, recv_bytes
+        self.interrupted = False
+
+    def __iter__(self):
+        while True:
+            data = self.sock.recv(self.recv_bytes)
+            at = 0
+            while at + _HDR.size <= len(data):
+                length, typ, flags, mseq, _pid = _HDR.unpack_from(data, at)
+                if length < _HDR.size:
+                    raise self.error(errno.EPROTO, f"{self.what}: a netlink reply of length {length}")
+                end = at + length
+                if mseq == self.seq:
+                    self.interrupted = self.interrupted or bool(flags & NLM_F_DUMP_INTR)
+                    if typ in (NLMSG_DONE, NLMSG_ERROR):
+                        # Its payload: 0 (a dump's end, an ack), or a negative errno.
+                        code = -struct.unpack_from("=i", data, at + _HDR.size)[0] \
+                            if length >= _HDR.size + 4 else 0
+                        if code > 0:
+                            why = "the dump ended early: " if typ == NLMSG_DONE else ""
+                            raise self.error(code, f"{self.what}: {why}{os.strerror(code)}")
+                        return
+                    yield typ, data, at + _HDR.size, end
+                at = (end + 3) & ~3
+
+
 def _dump_once(sock: socket.socket, kind: int, body: bytes, what: str) -> tuple[list, bool]:
     """One dump: (its messages decoded, whether any carried NLM_F_DUMP_INTR)."""
     seq = next(_seq) & 0xFFFFFFFF
     sock.send(_HDR.pack(_HDR.size + len(body), kind, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body)
-    out, interrupted = [], False
-    while True:
-        data = sock.recv(RECV_BYTES)
-        at = 0
-        while at + _HDR.size <= len(data):
-            length, typ, flags, mseq, _pid = _HDR.unpack_from(data, at)
-            if length < _HDR.size:
-                raise OSError(errno.EPROTO, f"{what}: a netlink reply of length {length}")
-            if mseq == seq:
-                interrupted = interrupted or bool(flags & NLM_F_DUMP_INTR)
-                if typ == NLMSG_DONE:
-                    # Its payload: 0, or the negative errno of a dump the
-                    # kernel could not finish (netlink_dump's dump_done_errno:
-                    # what came before it is part of the table only).
-                    code = struct.unpack_from("=i", data, at + _HDR.size)[0] if length >= _HDR.size + 4 else 0
-                    if code < 0:
-                        raise OSError(-code, f"{what}: the dump ended early: {os.strerror(-code)}")
-                    return out, interrupted
-                if typ == NLMSG_ERROR:
-                    (code,) = struct.unpack_from("=i", data, at + _HDR.size)
-                    raise OSError(-code, f"{what}: {os.strerror(-code)}")
-                cls = _DECODE.get(typ)
-                if cls is not None:
-                    msg = cls(data[at:at + length])
-                    msg.decode()
-                    out.append(msg)
-            at += (length + 3) & ~3
+    replies, out = Replies(sock, seq, what), []
+    for typ, data, start, end in replies:
+        cls = _DECODE.get(typ)
+        if cls is not None:
+            msg = cls(data[start - _HDR.size:end])
+            msg.decode()
+            out.append(msg)
+    return out, replies.interrupted
 
 
 def dump(sock: socket.socket, kind: int, body: bytes, what: str, tries: int = DUMP_TRIES) -> list:
