@@ -26,6 +26,12 @@ leave them alone (frozen with the sandbox).
 A microVM's processes are kept by its guest agent instead, output and end
 included: the requests go to dsecd/engine/vmprocs.py, and the views here
 read the mirror of the agent's ring it keeps.
+
+A process that exited while a child of it still holds its output pipes is
+read on for limits.exec_drain_grace_s (`draining` in its record). A stop in
+that window leaves the rest in the pipes init holds: the next daemon takes
+them back and reads them to their end (or for the grace) before init lets
+go of them.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, Unsupported,
 from ..execio import READ_CHUNK, _decode_status, parse_signal
 from ..fds import close_quietly, read_ready
 from ..fs import users
-from ..initlink import KILLED, InitExec, start_strings
+from ..initlink import KILLED, InitExec, InitLink, start_strings
 from .denials import DenialService
 from .execs import exec_target, request_user
 from .policies import PolicyService
@@ -204,6 +210,9 @@ class BgProc:
         self.vm_in = 0              # input bytes the agent took (the offset of the next)
         self.ring = Ring(ring_bytes)
         self.run: InitExec | None = None
+        # The init channel and exec id under which init holds the daemon's
+        # ends of its pipes (released once they are drained).
+        self.held: tuple[InitLink, int] | None = None
         self.fds = {"stdin": -1, "stdout": -1, "stderr": -1}
         self.over = loop.create_future()        # done once exited and its output drained
         self.ended = loop.create_future()       # done at its exit: the status (None: unknown)
@@ -212,7 +221,8 @@ class BgProc:
         self._grace: asyncio.TimerHandle | None = None
         if rec["state"] == "exited":
             self.ended.set_result(rec.get("status"))
-            self.over.set_result(None)
+            if not rec.get("draining"):     # else a daemon before stopped while reading its pipes
+                self.over.set_result(None)
 
     @property
     def running(self) -> bool:
@@ -398,6 +408,15 @@ class ProcessService:
     def _watch(self, sb: Sandbox, proc: BgProc, run: InitExec, fds: dict[str, int]) -> None:
         """Read its output into the ring and watch its end."""
         proc.run = run
+        proc.held = (run.link, run.id)
+        self._read_output(sb, proc, fds)
+        if proc.fds["stdin"] >= 0:
+            os.set_blocking(proc.fds["stdin"], False)
+        run.exited.add_done_callback(lambda fut: self._on_exit(sb, proc, fut))
+        self._maybe_over(sb, proc)
+
+    def _read_output(self, sb: Sandbox, proc: BgProc, fds: dict[str, int]) -> None:
+        """Take the daemon's ends of its pipes, and read stdout and stderr into the ring."""
         proc.fds.update(fds)
         loop = self.workers.loop
         for name, stream in (("stdout", 1), ("stderr", 2)):
@@ -406,10 +425,6 @@ class ProcessService:
                 os.set_blocking(fd, False)
                 if not self.closing:        # else what it writes waits in the pipe for the next daemon
                     loop.add_reader(fd, self._on_output, sb, proc, name, stream)
-        if proc.fds["stdin"] >= 0:
-            os.set_blocking(proc.fds["stdin"], False)
-        run.exited.add_done_callback(lambda fut: self._on_exit(sb, proc, fut))
-        self._maybe_over(sb, proc)
 
     # ------------------------------------------------------------ output and end
 
@@ -444,12 +459,20 @@ class ProcessService:
         proc.ended.set_result(status)
         proc.rec.update(state="exited", status=status, ended=ended or time.time())
         self._close_end(proc, "stdin")
+        draining = proc.fds["stdout"] >= 0 or proc.fds["stderr"] >= 0
+        if draining:
+            # Journaled, so that a daemon stopping before the pipes are
+            # drained leaves the rest to the next one (readopt), not lost.
+            proc.rec["draining"] = True
         self._save(sb)
-        if proc.fds["stdout"] >= 0 or proc.fds["stderr"] >= 0:
-            # Its children may hold the pipes open: read a little longer, then stop.
-            proc._grace = self.workers.loop.call_later(self.limits.drain_grace_s, self._stop_reading, sb, proc)
+        if draining:
+            self._drain_for_grace(sb, proc)
         self._maybe_over(sb, proc)
         proc.wake()
+
+    def _drain_for_grace(self, sb: Sandbox, proc: BgProc) -> None:
+        """Its children may hold the pipes open: read a little longer, then stop."""
+        proc._grace = self.workers.loop.call_later(self.limits.drain_grace_s, self._stop_reading, sb, proc)
 
     def _stop_reading(self, sb: Sandbox, proc: BgProc) -> None:
         for name in ("stdout", "stderr"):
@@ -463,9 +486,18 @@ class ProcessService:
             return
         if proc._grace is not None:
             proc._grace.cancel()
-        if proc.run is not None and not self.closing:
-            proc.run.link.release(proc.run.id, STDIN | STDOUT | STDERR)
+        if not self.closing:
+            self._release(proc, STDIN | STDOUT | STDERR)
+            if proc.rec.pop("draining", False):
+                self._save(sb)
         proc.over.set_result(None)
+
+    @staticmethod
+    def _release(proc: BgProc, mask: int) -> None:
+        """Init lets go of the ends it holds of the process's pipes in `mask`."""
+        if proc.held is not None:
+            link, exec_id = proc.held
+            link.release(exec_id, mask)
 
     def _close_end(self, proc: BgProc, name: str) -> None:
         fd = proc.fds[name]
@@ -486,8 +518,8 @@ class ProcessService:
         pipe ends it held for it, its followers end."""
         for name in proc.fds:
             self._close_end(proc, name)
-        if proc.run is not None and not self.closing and not proc.over.done():
-            proc.run.link.release(proc.run.id, STDIN | STDOUT | STDERR)
+        if not self.closing and not proc.over.done():
+            self._release(proc, STDIN | STDOUT | STDERR)
         if proc._grace is not None:
             proc._grace.cancel()
         if not proc.ended.done():
@@ -608,8 +640,7 @@ class ProcessService:
 
     def _close_stdin(self, proc: BgProc) -> None:
         self._close_end(proc, "stdin")
-        if proc.run is not None:
-            proc.run.link.release(proc.run.id, STDIN)
+        self._release(proc, STDIN)
 
     async def logs(self, req, ctx) -> dict:
         """Stream {"dropped": n} first (bytes that fell out before the first
@@ -731,7 +762,7 @@ class ProcessService:
         process, its pipe ends held by init (found by inode among init's
         fds, taken with pidfd_getfd) and a pidfd if it still runs. Exec id ->
         {"fds": {name: fd}, "pidfd": fd or -1}."""
-        running = [r for r in sb.procs if r.get("state") == "running"]
+        running = [r for r in sb.procs if r.get("state") == "running" or r.get("draining")]
         if not running:
             return {}
         by_inode = _pipes_of(h.init_pid)
@@ -740,6 +771,8 @@ class ProcessService:
             fds = {}
             for name, ino in zip(("stdin", "stdout", "stderr"), rec.get("inodes", ()), strict=False):
                 fds[name] = -1
+                if name == "stdin" and rec.get("state") != "running":
+                    continue        # an exited process's input was closed at its end
                 if ino and ino in by_inode:
                     try:
                         fds[name] = native.pidfd_getfd(h.pidfd, by_inode[ino])
@@ -766,7 +799,9 @@ class ProcessService:
             table[proc.pid] = proc
             _output_gone(proc, now)
             if not proc.running:
-                if link is not None:
+                if rec.get("draining"):
+                    self._drain_again(sb, proc, link, taken.get(rec["id"], {"fds": {}})["fds"])
+                elif link is not None:
                     link.release(rec["id"], STDIN | STDOUT | STDERR)   # held still if the daemon died mid-end
                 continue
             got = taken.get(rec["id"], {"fds": {}, "pidfd": -1})
@@ -787,6 +822,22 @@ class ProcessService:
                 # stopped before journaling it.
                 self.workers.loop.call_later(LOST_END_S, self._lost, sb, proc, "its end was not reported")
         self._save(sb)
+
+    def _drain_again(self, sb: Sandbox, proc: BgProc, link, fds: dict[str, int]) -> None:
+        """An exited process whose pipes the daemon before was still reading
+        when it stopped (a child of it holds them): what is left in them is
+        read, to their end or for limits.exec_drain_grace_s, and then init
+        lets go of them. Without a channel to init, nothing can be released:
+        the output stops here."""
+        if link is None:
+            _close_all(fds.values())
+            proc.rec.pop("draining", None)
+            proc.over.set_result(None)
+            return
+        proc.held = (link, proc.rec["id"])
+        self._read_output(sb, proc, fds)
+        self._drain_for_grace(sb, proc)
+        self._maybe_over(sb, proc)
 
     def vm_died(self, sb: Sandbox) -> None:
         """A microVM died on its own: its running processes ended with it,

@@ -83,6 +83,38 @@ def test_a_process_survives_a_restart(daemon_factory, busybox_rootfs, how):
     c.close()
 
 
+def test_output_still_draining_at_a_clean_stop_is_read_by_the_next_daemon(daemon_factory, busybox_rootfs):
+    """A process that exited while a child of it still held its stdout: the
+    daemon reads on for limits.exec_drain_grace_s. A clean stop in that
+    window left what came after in the pipe init held, and the next daemon
+    let init drop it unread; now it reads the pipe to its end first."""
+    d = daemon_factory("[limits]\nexec_drain_grace_s = 60\n")
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="128M")
+    proc = sb.spawn("echo before; (sleep 2; echo after) & exit 3")
+    assert proc.wait().exit_code == 3
+    _wait_for_output(proc, len("before\n"))
+    c.close()
+    d.stop(signal.SIGTERM)      # the child still holds the pipe: the daemon was draining it
+    time.sleep(2.5)             # "after" is written while no daemon runs
+    d.start()
+    c = d.client()
+    sb = c.get(sb.id)
+    proc = sb.process(proc.pid)
+    chunks = list(proc.output(follow=True))     # ends once the pipe is drained
+    assert chunks[0].dropped == len("before\n"), chunks[0]
+    assert b"".join(ch.data for ch in chunks) == b"after\n", chunks
+    st = proc.wait()
+    assert (st.state, st.exit_code) == ("exited", 3)
+    init_pid = sb.inspect()["init_pid"]
+    deadline = time.monotonic() + 5
+    while _pipes_held(init_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _pipes_held(init_pid) == []          # init let go once the pipe was read to its end
+    c.close()
+
+
 def test_a_follower_resuming_since_its_last_chunk_is_told_of_no_loss(daemon_factory, busybox_rootfs):
     """A follower cut off by a clean restart takes up the output again with
     what was read after the last chunk it got (`since` is inclusive: just
