@@ -43,6 +43,7 @@ from .engine.memory import MemoryService
 from .engine.microvms import MicroVMService
 from .engine.network import NetworkService
 from .engine.policies import PolicyService
+from .engine.procs import OUTPUT_DIR as PROC_OUTPUT_DIR
 from .engine.procs import ProcessService, ProcLimits
 from .engine.sandboxes import SandboxRegistry
 from .engine.starts import ProcessStarter
@@ -168,7 +169,7 @@ class Node:
         self.net_service.events = self.events
         self.procs = ProcessService(self.registry, self.workers, self.backend, self.memory.ensure_running,
                                     ProcLimits.from_config(cfg), self.policies, self.vms,
-                                    self.denials)
+                                    self.denials, output_dir=state / PROC_OUTPUT_DIR)
         self.lifecycle = LifecycleService(self.registry, self.workers, self.backend, self.image_service.layers,
                                           self.net_service, self.memory, self.events, self.cpu, self.id_ranges,
                                           self.procs, self.vms)

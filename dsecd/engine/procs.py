@@ -13,9 +13,12 @@ F_SETPIPE_SZ). Each process is journaled with its sandbox (its exec id, pid,
 host pid and start time, and the inode numbers of its pipes); a restarted
 daemon takes the ends back from init by those inodes (pidfd_getfd) and
 registers the exec ids with the sandbox's channel, so init's report of the
-end (queued while no daemon ran) is read. What the old daemon's ring held is
-lost with it; a clean stop first stops reading the pipes and lets
-followers send what the ring holds (quiesce), so a follower loses nothing.
+end (queued while no daemon ran) is read. A clean stop first stops reading
+the pipes and lets followers send what the ring holds (quiesce), then
+writes each ring to a file of the state dir (OUTPUT_DIR), which the next
+daemon reads back: `proc_logs` after a restart or an upgrade still has
+what was read before. What the ring of a daemon that died held is lost
+with it.
 
 A process's record lives until it is evicted: at most
 limits.max_procs_per_sandbox per sandbox, exited ones evicted oldest first,
@@ -43,9 +46,13 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
 
 from .. import native
 from ..backends.container import proc_start_time
@@ -72,6 +79,11 @@ LOST_END_S = 1.0
 # have not sent yet (quiesce), before it closes their connections anyway:
 # a client that reads nothing must not hold the stop.
 QUIESCE_S = 5.0
+# Where a clean stop leaves each container process's ring for the next
+# daemon (under daemon.state_dir): one file per process, named
+# `<sandbox id>-<exec id>`, read back and removed at re-adoption.
+OUTPUT_DIR = "proc-output"
+RING_FILE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -119,6 +131,35 @@ class Ring:
         self.written = self.dropped = offset
         self.dropped_until = at
         self.dropped_at_until = offset if last is None else min(last, offset)
+
+    def saved(self) -> dict:
+        """What restore() needs to make this ring again (ProcessService.close)."""
+        return {"version": RING_FILE_VERSION, "written": self.written, "dropped": self.dropped,
+                "dropped_until": self.dropped_until, "dropped_at_until": self.dropped_at_until,
+                "lost_before": self.lost_before, "chunks": [list(chunk) for chunk in self.chunks]}
+
+    def restore(self, saved: dict) -> None:
+        """The ring a daemon that stopped saved (saved()), trimmed to this
+        ring's cap (limits.proc_output_bytes may have shrunk meanwhile).
+        ValueError (the ring left empty) if it is not one: another
+        version's, or damaged."""
+        try:
+            if saved["version"] != RING_FILE_VERSION:
+                raise ValueError(f"version {saved['version']!r}, this daemon reads {RING_FILE_VERSION}")
+            self.skip_to(int(saved["dropped"]), saved["dropped_until"], int(saved["dropped_at_until"]))
+            for offset, at, fd, data in saved["chunks"]:
+                if offset != self.written or not isinstance(data, bytes):
+                    raise ValueError(f"a chunk at offset {offset!r} where the ring ends at {self.written}")
+                self.append(int(fd), data, float(at))
+            if self.written != saved["written"]:
+                raise ValueError(f"its chunks end at {self.written}, it says {saved['written']!r}")
+            self.lost_before = saved["lost_before"]
+        except (KeyError, TypeError) as err:
+            self.skip_to(0)
+            raise ValueError(f"not a saved ring: {err!r}") from err
+        except ValueError:
+            self.skip_to(0)
+            raise
 
     def _fell_out(self, at: float, n: int) -> None:
         """`n` bytes read at `at` fell out: dropped_until and its count."""
@@ -255,8 +296,11 @@ class ProcessService:
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, backend,
                  ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ProcLimits,
-                 policies: PolicyService, vms, denials: DenialService | None = None):
+                 policies: PolicyService, vms, denials: DenialService | None = None,
+                 output_dir: Path | None = None):
         self.policies = policies
+        # Where a clean stop saves the rings for the next daemon (OUTPUT_DIR); None: they go with it.
+        self.output_dir = output_dir
         self.vms = vms              # MicroVMService: the channel to a microVM's agent
         self.denials = denials
         self.registry = registry
@@ -737,9 +781,11 @@ class ProcessService:
     def close(self) -> None:
         """Daemon shutdown: stop reading, close our ends; init holds its own,
         so the processes run on for the next daemon. How much of each
-        container process's output this daemon read (and takes with it) is
-        journaled, for the next daemon's `dropped` (readopt)."""
+        container process's output this daemon read is journaled, and what
+        its ring holds saved (OUTPUT_DIR), for the next daemon (readopt):
+        the ring again, or, where the file is not there, a `dropped` count."""
         self.closing = True
+        self._clear_saved_rings()
         for sb_id, table in self.tables.items():
             for proc in table.values():
                 for name in proc.fds:
@@ -750,12 +796,28 @@ class ProcessService:
                     proc.rec["output_seen"] = proc.ring.written
                     proc.rec["output_seen_at"] = proc.ring.read_until
                     proc.rec["output_seen_last"] = proc.ring.read_until_bytes
+                    if self.output_dir is not None:
+                        save_ring(self.output_dir, sb_id, proc)
             sb = self.registry.by_id.get(sb_id)
             if sb is not None and table:
                 try:
                     self._save(sb)
                 except Exception:       # the shutdown goes on: the next daemon then says the count is unknown
                     log.exception("sandbox %s: journal its processes' output counts at shutdown", sb_id)
+
+    def _clear_saved_rings(self) -> None:
+        """Before this stop saves its rings: the files no daemon read back
+        (a sandbox destroyed by an older daemon that does not know them)."""
+        if self.output_dir is None:
+            return
+        try:
+            shutil.rmtree(self.output_dir)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            log.warning("cannot remove the saved output of background processes in %s: %s; "
+                        "a file of a process the next daemon re-adopts is checked against its record",
+                        self.output_dir, err)
 
     def take_back(self, sb: Sandbox, h) -> dict[int, dict]:
         """After a restart, in a worker thread: for each journaled running
@@ -797,7 +859,7 @@ class ProcessService:
         for rec in sb.procs:
             proc = self.new_proc(dict(rec))
             table[proc.pid] = proc
-            _output_gone(proc, now)
+            output_back(self.output_dir, sb.id, proc, now)
             if not proc.running:
                 if rec.get("draining"):
                     self._drain_again(sb, proc, link, taken.get(rec["id"], {"fds": {}})["fds"])
@@ -882,19 +944,79 @@ class _Seat:
         return self.waiting and self.pos >= self.proc.ring.written
 
 
-def _output_gone(proc: BgProc, now: float) -> None:
-    """A re-adopted container process's output the daemon before this one read
-    is gone with it: counted as dropped when that daemon stopped cleanly and
-    journaled how much it read (ProcessService.close), else marked as an
-    uncounted loss before `now`. The count is taken off the record, which
-    readopt journals again at once: a later crash must not reuse it."""
+def _ring_path(output_dir: Path, sb_id: str, proc: BgProc) -> Path:
+    return output_dir / f"{sb_id}-{proc.rec['id']}"
+
+
+def save_ring(output_dir: Path, sb_id: str, proc: BgProc) -> None:
+    """At a clean stop (ProcessService.close): what the process's ring
+    holds, for the next daemon (output_back). A file that cannot be written
+    costs only that output: the next daemon counts it as dropped, as it
+    would without."""
+    if not proc.ring.chunks:
+        return
+    path = _ring_path(output_dir, sb_id, proc)
+    try:
+        output_dir.mkdir(mode=0o700, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(msgpack.packb(proc.ring.saved(), use_bin_type=True))
+        os.rename(tmp, path)
+    except OSError as err:
+        log.warning("sandbox %s: cannot save the output of background process %d to %s: %s; "
+                    "the next daemon reports its %d bytes as dropped", sb_id, proc.pid, path, err,
+                    proc.ring.size)
+
+
+def output_back(output_dir: Path | None, sb_id: str, proc: BgProc, now: float) -> None:
+    """A re-adopted container process's output the daemon before this one
+    read: its ring again if that daemon stopped cleanly and saved it
+    (save_ring), else counted as dropped when it stopped cleanly and
+    journaled how much it read (an older daemon, or the file lost), else
+    marked as an uncounted loss before `now`. The count is taken off the
+    record, which readopt journals again at once, and the file removed: a
+    later crash must not reuse either."""
     seen = proc.rec.pop("output_seen", None)
     seen_at = proc.rec.pop("output_seen_at", None)
     last = proc.rec.pop("output_seen_last", None)       # None: a daemon older than the count
+    saved = _saved_ring(output_dir, sb_id, proc) if output_dir is not None else None
     if seen is None:
         proc.ring.lost_before = now
-    else:
-        proc.ring.skip_to(int(seen), seen_at, None if last is None else int(last))
+        return
+    if saved is not None:
+        try:
+            proc.ring.restore(saved)
+            if proc.ring.written == int(seen):
+                return
+            # A daemon that does not save rings ran between (a downgrade and
+            # back) and read on: the file is older than the record.
+            why = f"it ends at byte {proc.ring.written}, the record at {seen}"
+        except ValueError as err:
+            why = str(err)
+        log.warning("sandbox %s: the saved output of background process %d is not its own (%s); "
+                    "what the daemon before read of it is reported dropped", sb_id, proc.pid, why)
+    proc.ring.skip_to(int(seen), seen_at, None if last is None else int(last))
+
+
+def _saved_ring(output_dir: Path, sb_id: str, proc: BgProc) -> dict | None:
+    """The ring save_ring saved for this process (the file removed), None if none."""
+    path = _ring_path(output_dir, sb_id, proc)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        log.warning("sandbox %s: cannot read the saved output of background process %d in %s: %s",
+                    sb_id, proc.pid, path, err)
+        return None
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    try:
+        saved = msgpack.unpackb(data, raw=False)
+    except ValueError as err:        # msgpack raises ValueErrors for a damaged or cut file
+        log.warning("sandbox %s: the saved output of background process %d in %s is damaged (%s); "
+                    "what the daemon before read of it is reported dropped", sb_id, proc.pid, path, err)
+        return None
+    return saved if isinstance(saved, dict) else {}
 
 
 def _open_pipes(want_stdin: bool) -> tuple[dict[str, int], tuple[int, int, int]]:

@@ -36,6 +36,8 @@ def test_a_process_survives_a_restart(daemon_factory, busybox_rootfs, how):
     ticker = sb.spawn(TICKER)
     short = sb.spawn("sleep 0.5; echo while-down; exit 6")       # ends while no daemon runs
     reader = sb.spawn("read l; echo got $l")
+    done = sb.spawn("echo done-before; exit 2")                   # ends, and is read, before the stop
+    assert done.wait().exit_code == 2
     _wait_for_output(ticker, len("line 0\n"))
     c.close()
     d.stop(how)
@@ -49,6 +51,12 @@ def test_a_process_survives_a_restart(daemon_factory, busybox_rootfs, how):
     short = sb.process(short.pid)
     assert short.wait().exit_code == 6
     assert b"".join(ch.data for ch in short.output()) == b"while-down\n"
+    # The output of one that ended before: back with the ring a clean stop saved.
+    done = list(sb.process(done.pid).output())
+    if how == signal.SIGTERM:
+        assert [(ch.fd, ch.data) for ch in done] == [(1, b"done-before\n")], done
+    else:
+        assert b"".join(ch.data for ch in done) == b"" and done[0].lost_before is not None, done
     # Stdin still reaches the reader.
     reader = sb.process(reader.pid)
     reader.write(b"again\n")
@@ -57,20 +65,21 @@ def test_a_process_survives_a_restart(daemon_factory, busybox_rootfs, how):
     # The ticker: what it wrote while no daemon ran, then new lines, then its exit code.
     ticker = sb.process(ticker.pid)
     chunks = list(ticker.output(follow=True))
-    # What the daemon before read went with it: counted when it stopped
-    # cleanly, else said to be lost, in an amount nobody knows.
-    notice = chunks[0]
-    assert (notice.fd, notice.data) == (0, b""), chunks[:2]
+    text = b"".join(ch.data for ch in chunks).decode()
+    numbers = [int(n) for n in re.findall(r"line (\d+)", text)]
     if how == signal.SIGTERM:
-        assert notice.dropped >= len("line 0\n") and notice.lost_before is None, notice
+        # What the daemon before read came back with the ring it saved: all of it.
+        assert [ch for ch in chunks if not ch.data] == [], chunks[:2]
+        assert numbers == list(range(40)), text
     else:
+        # What the daemon that died read went with it, in an amount nobody knows.
+        notice = chunks[0]
+        assert (notice.fd, notice.data) == (0, b""), chunks[:2]
         assert notice.dropped == 0 and notice.lost_before is not None, notice
         logs = d.cli("logs", sb.id, str(ticker.pid))
         assert b"if any, is lost: the daemon restarted then" in logs.stderr, logs.stderr
-    text = b"".join(ch.data for ch in chunks).decode()
-    numbers = [int(n) for n in re.findall(r"line (\d+)", text)]
-    assert numbers == list(range(numbers[0], 40)), text     # in order, none lost since the restart
-    assert numbers[0] <= 10            # lines written while the daemon was down are there
+        assert numbers == list(range(numbers[0], 40)), text     # in order, none lost since the restart
+        assert numbers[0] <= 10            # lines written while the daemon was down are there
     st = ticker.wait()
     assert (st.state, st.exit_code) == ("exited", 4)
     # A new daemon's processes work as before; init let go of every pipe it held.
@@ -118,9 +127,9 @@ def test_output_still_draining_at_a_clean_stop_is_read_by_the_next_daemon(daemon
 def test_a_follower_resuming_since_its_last_chunk_is_told_of_no_loss(daemon_factory, busybox_rootfs):
     """A follower cut off by a clean restart takes up the output again with
     what was read after the last chunk it got (`since` is inclusive: just
-    past that chunk's time): what the daemon before read, and took with
-    it, is older, so nothing it asked for is reported lost, and the lines
-    go on where they stopped."""
+    past that chunk's time): what the daemon before read is older, so none
+    of it comes again and nothing is reported lost, and the lines go on
+    where they stopped."""
     d = daemon_factory()
     c = d.client()
     c.import_image(busybox_rootfs, "busybox")
@@ -139,16 +148,14 @@ def test_a_follower_resuming_since_its_last_chunk_is_told_of_no_loss(daemon_fact
     chunks = list(ticker.output(follow=True, since=last.time + 0.001))
     assert [ch for ch in chunks if not ch.data] == [], chunks[:2]
     assert b"".join(ch.data for ch in chunks) == b"line 2\nline 3\nline 4\nline 5\n"
-    assert ticker.status().dropped == len("line 0\nline 1\n")     # the count itself is kept
+    assert ticker.status().dropped == 0        # the ring the daemon before saved came back whole
     c.close()
 
 
-def test_a_follower_since_the_time_of_its_last_chunk_is_told_only_that_chunk_went(daemon_factory,
-                                                                                  busybox_rootfs):
+def test_a_follower_since_the_time_of_its_last_chunk_gets_that_chunk_again(daemon_factory, busybox_rootfs):
     """`since` is inclusive: a follower asking again from the very time of
-    the last chunk it got asks for that chunk, which the daemon before took
-    with it; what it read before then was not asked for. It was all
-    reported lost."""
+    the last chunk it got gets that chunk again, from the ring the daemon
+    before saved; what it read before then was not asked for."""
     d = daemon_factory()
     c = d.client()
     c.import_image(busybox_rootfs, "busybox")
@@ -164,8 +171,8 @@ def test_a_follower_since_the_time_of_its_last_chunk_is_told_only_that_chunk_wen
     ticker = c.get(sb.id).process(ticker.pid)
     ticker.write(b"go\n")
     chunks = list(ticker.output(follow=True, since=last.time))
-    assert [ch.dropped for ch in chunks if not ch.data] == [len(last.data)], chunks[:2]
-    assert b"".join(ch.data for ch in chunks) == b"line 2\n"
+    assert [ch for ch in chunks if not ch.data] == [], chunks[:2]
+    assert b"".join(ch.data for ch in chunks) == b"line 1\nline 2\n"
     c.close()
 
 
@@ -220,7 +227,8 @@ def test_a_clean_stop_sends_a_follower_all_it_read_first(daemon_factory, busybox
     first): a follower taking the output up on the next daemon was told
     of it as dropped. The daemon stops reading the pipes first (what the
     process writes then waits there for the next one), and sends what it
-    holds before it closes the connections."""
+    holds before it closes the connections (and saves it for the next
+    daemon)."""
     d = daemon_factory('[limits]\nproc_output_bytes = "8M"\n')
     c = d.client()
     c.import_image(busybox_rootfs, "busybox")
@@ -239,8 +247,9 @@ def test_a_clean_stop_sends_a_follower_all_it_read_first(daemon_factory, busybox
     d.stop()
     d.start()
     c = d.client()
-    first = next(iter(c.get(sb.id).process(proc.pid).output(follow=False)))
-    assert (first.fd, first.dropped) == (0, size), first         # what the daemon before read
+    again = list(c.get(sb.id).process(proc.pid).output(follow=False))
+    assert [ch.dropped for ch in again] == [0] * len(again)         # what the daemon before read is back
+    assert sum(len(ch.data) for ch in again) == size
     assert follow.got == size
     c.close()
 
