@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import errno
 import grp
 import inspect
@@ -484,6 +485,35 @@ class CallResult(ExecResult):
 def _follows(op: str, args: dict) -> bool:
     """A request that lasts until what it follows ends (SHORT_SLOTS)."""
     return op == "file_watch" or (op in ("events", "proc_logs") and args.get("follow", True) is not False)
+
+
+def _answer_error(error: dict, op: str, args: dict) -> DsecError:
+    """The error a daemon answered `op` with. Where it refused a request or
+    a field this client knows, it runs an older dsecd than this client: one
+    installed over and not restarted yet (an upgrade's `git pull` and setup
+    change the client at once, the daemon at its restart), or another
+    host's. The error then says so, and what to do; the daemon's own
+    message says only that it does not know the name."""
+    err = DsecError.from_wire(error)
+    request = protocol.REQUESTS.get(op)
+    if err.code != "bad_request" or request is None:
+        return err
+    ops, allowed = err.detail.get("ops"), err.detail.get("allowed")
+    if isinstance(ops, list) and op not in ops:
+        what = f"the request {op!r}"
+    elif isinstance(allowed, list):
+        ours = {f.name for f in dataclasses.fields(request)}
+        newer = sorted(name for name in args if name in ours and name not in allowed)
+        if not newer:
+            return err
+        what = f"the field(s) {', '.join(newer)} of {op!r}"
+    else:
+        return err
+    err.message = (f"{err.message}: the daemon runs an older dsecd than this client, which sends {what}; "
+                   "restart the daemon on the version installed (`systemctl restart dsecd`, which keeps "
+                   "the sandboxes), or use a client of the daemon's version")
+    err.detail = {**err.detail, "older_daemon": True}
+    return err
 
 
 def _refused_in_flight(error: dict) -> bool:
@@ -1196,7 +1226,7 @@ class Client:
                     continue
                 finished = True
                 if "error" in frame:
-                    raise DsecError.from_wire(frame["error"])
+                    raise _answer_error(frame["error"], op, args)
                 yield {"__result__": frame.get("result", {})}
                 return
         finally:
