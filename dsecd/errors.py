@@ -211,16 +211,23 @@ def init_refused_request(err: OSError) -> bool:
     return getattr(err, "step", None) == "init_request" and err.errno == errno.EINVAL
 
 
-def run_error(err: OSError, sandbox_id: str, prog: str, cwd: str) -> DsecError:
+def run_error(err: OSError, sandbox_id: str, prog: str, cwd: str, needs: list[str] | None = None) -> DsecError:
     """A run that failed after it was handed to its watch: an exec init could
     not start (NativeError of its step), whose channel broke (the exec was
-    killed), or that did not end after a kill (TimeoutError)."""
+    killed), or that did not end after a kill (TimeoutError). needs: what
+    the request asked of init that an older init may not know (a sandbox
+    made before an upgrade runs the init it was made with), said when init
+    refuses it; None: not known here."""
     import errno
 
     if init_refused_request(err):
-        return Conflict(f"cannot start {prog!r} in sandbox {sandbox_id}: its init is older than this dsecd and "
-                        "does not know the request (a pty exec, a background process, a task policy or supplementary groups); "
-                        "recreate the sandbox to use them", {"sandbox": sandbox_id})
+        asked = ", ".join(needs) if needs else ("a pty exec, a background process, a task policy or "
+                                                "supplementary groups")
+        way_round = (" (or give the user as UID:GID, `-u 1000:1000`, which sets no supplementary groups)"
+                     if needs and any("supplementary groups" in n for n in needs) else "")
+        return Conflict(f"cannot start {prog!r} in sandbox {sandbox_id}: its init is older than this dsecd (the "
+                        f"sandbox was made before an upgrade) and does not know the request ({asked}); "
+                        f"recreate the sandbox to use them{way_round}", {"sandbox": sandbox_id})
     if started_by_step(err):
         return exec_error(err, prog, cwd)
     if err.errno == errno.ESRCH:          # its init exited first: destroyed or died meanwhile

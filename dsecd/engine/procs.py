@@ -388,7 +388,7 @@ class ProcessService:
             _close_all(ours.values())
             if run.exited.done() and not run.exited.cancelled():
                 run.exited.exception()      # the same error, answered here: else logged as never retrieved
-            raise run_error(err, sb.id, req.argv[0], cwd) from err
+            raise run_error(err, sb.id, req.argv[0], cwd, init_needs(applied is not None, ids)) from err
         except asyncio.CancelledError:
             run.kill()
             run.link.release(run.id, STDIN | STDOUT | STDERR)
@@ -942,6 +942,18 @@ class _Seat:
     def sent_all(self) -> bool:
         """Waiting for output past all the ring holds (or for the process's end)."""
         return self.waiting and self.pos >= self.proc.ring.written
+
+
+def init_needs(policy: bool, ids: users.ProcessIds) -> list[str]:
+    """What starting a background process with a task policy (or not) as
+    `ids` asks of the sandbox's init, in the words of errors.run_error:
+    what an init older than its daemon may refuse."""
+    needs = ["a background process"]
+    if policy:
+        needs.append("under a task policy")
+    if ids.groups:
+        needs.append(f"with supplementary groups ({', '.join(map(str, ids.groups))})")
+    return needs
 
 
 def _ring_path(output_dir: Path, sb_id: str, proc: BgProc) -> Path:

@@ -37,6 +37,26 @@ def test_a_request_an_older_init_refuses_says_to_recreate_the_sandbox():
     assert isinstance(err, Conflict) and "recreate the sandbox" in str(err) and "older than this dsecd" in str(err)
 
 
+def test_a_background_process_an_older_init_refuses_says_what_it_asked():
+    """`dsec exec -d -u nobody` in a sandbox made before an upgrade whose
+    init predates supplementary groups: the error names them, and the way
+    round them, not four things the request might have been."""
+    import errno
+
+    from dsecd.engine.procs import init_needs
+    from dsecd.errors import run_error
+    from dsecd.fs.users import ProcessIds
+    from dsecd.native import NativeError
+
+    refused = NativeError(errno.EINVAL, "have the sandbox's init start an exec: Invalid argument",
+                          step="init_request")
+    err = run_error(refused, "sb1", "id", "/", init_needs(False, ProcessIds(65534, 65534, (65534,))))
+    assert "(a background process, with supplementary groups (65534))" in str(err), str(err)
+    assert "give the user as UID:GID" in str(err) and "pty" not in str(err)
+    plain = run_error(refused, "sb1", "id", "/", init_needs(True, ProcessIds(1000, 1000)))
+    assert "(a background process, under a task policy)" in str(plain) and "UID:GID" not in str(plain)
+
+
 def test_the_package_names_the_class_of_every_code():
     """A scaffold catches `dsecd.NotFound` as it imports `dsecd.Client`."""
     import dsecd
