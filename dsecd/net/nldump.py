@@ -39,8 +39,8 @@ RTM_NEWROUTE, RTM_GETROUTE = 24, 26
 DUMP_TRIES = 8
 # One datagram of a dump holds whole messages, and the kernel makes it as
 # large as its largest message needs (a link with many SR-IOV VFs is past
-# 64 KiB); a read shorter than the datagram would cut it silently. Dumps
-# are not hot: a buffer this large costs nothing that matters.
+# 64 KiB); a read shorter than the datagram cuts it (Replies refuses the
+# dump then). Dumps are not hot: a buffer this large costs nothing that matters.
 RECV_BYTES = 1 << 20
 
 _HDR = struct.Struct("=IHHII")          # nlmsghdr: len, type, flags, seq, pid
@@ -73,12 +73,13 @@ class Replies:
 
     def __iter__(self):
         while True:
-            data = self.sock.recv(self.recv_bytes)
+            data = self._datagram()
             at = 0
             while at + _HDR.size <= len(data):
                 length, typ, flags, mseq, _pid = _HDR.unpack_from(data, at)
-                if length < _HDR.size:
-                    raise self.error(errno.EPROTO, f"{self.what}: a netlink reply of length {length}")
+                if length < _HDR.size or at + length > len(data):
+                    raise self.error(errno.EPROTO, f"{self.what}: a netlink reply of length {length} in a "
+                                     f"datagram of {len(data)} bytes (at {at})")
                 end = at + length
                 if mseq == self.seq:
                     self.interrupted = self.interrupted or bool(flags & NLM_F_DUMP_INTR)
@@ -92,6 +93,16 @@ class Replies:
                         return
                     yield typ, data, at + _HDR.size, end
                 at = (end + 3) & ~3
+
+    def _datagram(self) -> bytes:
+        """The next datagram, whole. One longer than `recv_bytes` would be
+        cut, with nothing but MSG_TRUNC to say so, and the messages past
+        the cut lost from the table: refused instead."""
+        data, _anc, msg_flags, _addr = self.sock.recvmsg(self.recv_bytes)
+        if msg_flags & socket.MSG_TRUNC:
+            raise self.error(errno.EMSGSIZE, f"{self.what}: a netlink reply datagram was longer than the "
+                             f"{self.recv_bytes} bytes read: it was cut, so the dump would be incomplete")
+        return data
 
 
 def _dump_once(sock: socket.socket, kind: int, body: bytes, what: str) -> tuple[list, bool]:

@@ -46,8 +46,8 @@ class Kernel:
                           + struct.pack("=i", self.done_errno))
         return len(data)
 
-    def recv(self, _size: int) -> bytes:
-        return self.queue.pop(0)
+    def recvmsg(self, _size: int) -> tuple[bytes, list, int, None]:
+        return self.queue.pop(0), [], 0, None
 
     def bind(self, _addr) -> None:
         pass
@@ -98,6 +98,42 @@ def test_a_dump_that_ends_with_an_error_is_an_error_not_a_partial_table():
     with pytest.raises(OSError) as info:
         nldump.addresses(kernel, "list the host side's addresses")
     assert info.value.errno == errno.EMSGSIZE and "list the host side's addresses" in str(info.value)
+
+
+def _datagrams(*datagrams: bytes) -> socket.socket:
+    """A datagram socket with `datagrams` queued to read, each as sent."""
+    reader, writer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with writer:
+        for datagram in datagrams:
+            writer.send(datagram)
+    reader.settimeout(5)            # a reader that waits for more fails rather than hangs the run
+    return reader
+
+
+def _messages(seq: int, *msgs: tuple[int, int, bytes]) -> bytes:
+    return b"".join(HDR.pack(HDR.size + len(body), typ, flags | NLM_F_MULTI, seq, 0) + body
+                    for typ, flags, body in msgs)
+
+
+def test_a_datagram_longer_than_the_read_is_an_error_not_a_shorter_table():
+    """A read cuts a longer datagram where it ends, the messages past the
+    cut gone with only MSG_TRUNC to say so: the dump is refused rather than
+    read as a table without them."""
+    first = _messages(7, *_addresses("192.0.2.5", "192.0.2.9"))
+    done = _messages(7, (nldump.NLMSG_DONE, 0, struct.pack("=i", 0)))
+    whole = len(_messages(7, *_addresses("192.0.2.5")))      # the read holds the first message only
+    with _datagrams(first, done) as sock, pytest.raises(OSError) as info:
+        list(nldump.Replies(sock, 7, "list the addresses", recv_bytes=whole))
+    assert info.value.errno == errno.EMSGSIZE and "list the addresses" in str(info.value)
+
+
+def test_a_message_longer_than_its_datagram_is_an_error():
+    msg = _messages(7, *_addresses("192.0.2.5"))
+    bad = HDR.pack(len(msg) + 64, *HDR.unpack_from(msg)[1:]) + msg[HDR.size:]
+    done = _messages(7, (nldump.NLMSG_DONE, 0, struct.pack("=i", 0)))
+    with _datagrams(bad, done) as sock, pytest.raises(OSError) as info:
+        list(nldump.Replies(sock, 7, "list the addresses"))
+    assert info.value.errno == errno.EPROTO and f"length {len(msg) + 64}" in str(info.value)
 
 
 def test_the_host_side_s_addresses_come_from_a_dump_nothing_interrupted(monkeypatch):
