@@ -95,9 +95,14 @@ def _canonical(obj: dict) -> bytes:
 # How many times a ref is read that answers ESTALE (a network file system:
 # another host renamed a new ref over it) before it counts as unreadable.
 STALE_READS = 3
+# The scratch dir's work trees, which the next start removes if a killed
+# daemon left them (_remove_scratch_leftovers): a tarball or layout
+# unpacked, one dir per layer, a flatten's merged tree, and a host
+# directory copied to be made an image (engine/images.py).
 UNPACK_PREFIX = "unpack-"
-# The most a flatten leaves free on the scratch dir's file system (less on one smaller than 20 GiB: 5% of it).
-SCRATCH_RESERVE = 1 << 30       # a tarball or layout unpacked in the scratch dir, one dir per layer
+# What a flatten leaves free on the scratch dir's file system for the state
+# dir and other writers there (on one smaller than 20 GiB: 5% of it).
+SCRATCH_RESERVE = 1 << 30
 
 
 class ImageStore:
@@ -781,7 +786,8 @@ class ImageStore:
 
     def _remove_scratch_leftovers(self) -> None:
         """Remove the trees a killed daemon left unpacking a tarball
-        (_unpacked_layers) or a microVM's writable layer (MicroVMService.
+        (_unpacked_layers), merging an image's layers (_flatten) or a
+        microVM's writable layer (MicroVMService.
         upper_tree): nothing else removes them, and they can hold an image's
         every byte. The scratch dir is its daemon's alone (the state dir's
         lock), so at start none of them is a write still going."""
