@@ -24,13 +24,12 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from .nldump import Replies
+from .nldump import DUMP_TRIES, Replies
 
 NETLINK_NETFILTER = 12
 _CT_GET = (1 << 8) | 1          # NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_GET
 _CT_DELETE = (1 << 8) | 2       # ... | IPCTNL_MSG_CT_DELETE
 _NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_DUMP = 0x1, 0x4, 0x300
-_DUMP_TRIES = 8                 # as nldump.DUMP_TRIES
 _CTA_TUPLE_ORIG, _CTA_ID, _CTA_ZONE = 1, 12, 18
 _CTA_TUPLE_IP = 1
 _ADDR_ATTRS = {socket.AF_INET: (1, 2), socket.AF_INET6: (3, 4)}     # CTA_IP_V4_SRC/DST, CTA_IP_V6_SRC/DST
@@ -130,8 +129,8 @@ class CtSocket:
         substring search skips the parse of all others; the caller checks
         the fields it wants). A dump whose replies say the table changed
         meanwhile (NLM_F_DUMP_INTR: entries may be missing) is done again,
-        at most _DUMP_TRIES times; CtError (EAGAIN) if each was."""
-        for _ in range(_DUMP_TRIES):
+        at most DUMP_TRIES times; CtError (EAGAIN) if each was."""
+        for _ in range(DUMP_TRIES):
             seq = self._send(_CT_GET, _NLM_F_REQUEST | _NLM_F_DUMP, family)
             out = []
             for _kind, buf, start, end in self._messages(seq):
@@ -142,7 +141,7 @@ class CtSocket:
                     out.append(entry)
             if not self.interrupted:
                 return out
-        raise CtError(errno.EAGAIN, f"conntrack: the table changed during each of {_DUMP_TRIES} dumps "
+        raise CtError(errno.EAGAIN, f"conntrack: the table changed during each of {DUMP_TRIES} dumps "
                       "(NLM_F_DUMP_INTR)")
 
     def delete(self, family: int, entry: Entry) -> bool:

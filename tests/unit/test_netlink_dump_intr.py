@@ -163,7 +163,7 @@ def test_an_interrupted_conntrack_dump_is_read_again():
     with ctdump.CtSocket(kernel) as ct:
         assert [e.src for e in ct.dump(socket.AF_INET6)] == [a, b]
     assert len(kernel.requests) == 2
-    kernel = Kernel([([(new, INTR, _ct_entry(a, c))], INTR)] * 8)
+    kernel = Kernel([([(new, INTR, _ct_entry(a, c))], INTR)] * nldump.DUMP_TRIES)
     with ctdump.CtSocket(kernel) as ct, pytest.raises(ctdump.CtError) as info:
         ct.dump(socket.AF_INET6)
     assert info.value.errno == errno.EAGAIN
