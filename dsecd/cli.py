@@ -40,7 +40,6 @@ import os
 import posixpath
 import secrets
 import shlex
-import shutil
 import signal
 import stat
 import sys
@@ -51,7 +50,7 @@ import time
 import tty
 from collections.abc import AsyncIterator
 
-from . import cpmerge, cptar, fleet_cli, imageconfig, pullview, rpcrelay, sigint, topview
+from . import cpmerge, cptar, fleet_cli, imageconfig, localcopy, pullview, rpcrelay, sigint, topview
 from .cliargs import (  # noqa: F401 (parse_args and the parser's names: the CLI's, as before)
     EXIT_BROKEN_PIPE,
     EXIT_DSEC_ERROR,
@@ -1568,7 +1567,7 @@ async def _cp_merged(a, sb, src: str, dst: str, upload: bool, tar: AsyncIterator
             os.chmod(held, 0o700)        # it has SRC's mode, which may not let us move entries out
             replaced = await cpmerge.into_local(held, dst, top)
         except BaseException:
-            shutil.rmtree(held, ignore_errors=True)
+            localcopy.remove_tree(held)
             raise
     if a.json:
         _print_json({**r, "path": dst if upload else r["path"], "sandbox": sb.id,

@@ -141,7 +141,8 @@ async def into_sandbox(sb, landing: str, dst: str, dirs: list | None = (),
 async def into_local(landing: str, dst: str, top: tuple[int, int] | None = None) -> int:
     """Merge the local directory `landing` into the local directory `dst`,
     then remove what is left of `landing`; returns how many names were
-    replaced. On a failure `landing` stays, for the caller to remove.
+    replaced. On a failure `landing` stays, for the caller to remove
+    (localcopy.remove_tree: its directories may be read-only).
 
     A directory dst held already takes the mode and mtime of the copy's
     directory of that name once the moves into it are done, as docker cp

@@ -12,6 +12,7 @@ into place at the end; on failure it is removed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -120,9 +121,26 @@ def unpack(src, dst: str, max_entries: int = 10**7, max_bytes: int = 1 << 62,
         _check_stop(stop)
         os.rename(tmp, dst)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)        # its directories have the archive's modes by the end
         raise
     return seen.entries
+
+
+def remove_tree(top: str) -> None:
+    """Remove the local directory `top` and what it holds, after a failed
+    copy or merge. Its directories may have the copy's modes (0555, say),
+    which would not let a user other than root remove what is in them:
+    each is made writable first, before its entries are listed. Nothing it
+    fails on is raised: the caller raises the error that stopped the copy."""
+    with contextlib.suppress(OSError):
+        os.chmod(top, 0o700)
+    for root, dirs, _files in os.walk(top):
+        for name in dirs:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):            # os.walk lists a link to a directory with them
+                with contextlib.suppress(OSError):
+                    os.chmod(path, 0o700)
+    shutil.rmtree(top, ignore_errors=True)
 
 
 def _check_stop(stop: threading.Event | None) -> None:

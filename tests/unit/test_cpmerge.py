@@ -1,10 +1,12 @@
 """The merge of a copied tree into an existing directory (dsec cp -r, as docker cp)."""
 
 import asyncio
+import io
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -114,6 +116,85 @@ def test_read_only_copied_directories_do_not_stop_a_non_root_merge(tmp_path):
                                capture_output=True, cwd="/")
             assert r.returncode == 0, r.stderr
         assert _read(base / "dst") == {"d": {"keep": "k", "f": "new"}, "e": {"g": "g"}}
+    finally:
+        if base != tmp_path:
+            shutil.rmtree(base)
+
+
+def _as_a_user(base: Path, code: str) -> None:
+    """Run python `code` as a user other than root (nobody, when the tests
+    run as root, which ignores modes), `base` and all below it theirs."""
+    if os.geteuid() != 0:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd="/")
+    else:
+        base.chmod(0o755)
+        for p in (base, *base.rglob("*")):
+            os.lchown(p, 65534, 65534)
+        r = subprocess.run([sys.executable, "-c", code], user=65534, group=65534, extra_groups=[],
+                           capture_output=True, cwd="/")
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_failed_merge_out_leaves_no_landing_behind_for_a_non_root_user(tmp_path):
+    """`dsec cp -r SB:/src/. dst` whose merge is refused (a directory of the
+    copy against a file of dst) removes the landing it made in dst. The
+    copy keeps its directories' modes: one read-only (0555) kept what it
+    held, and the landing with it, in dst for a user other than root."""
+    base = Path(tempfile.mkdtemp(dir="/tmp")) if os.geteuid() == 0 else tmp_path   # pytest's tmp is 0700 root's
+    try:
+        _tree(base / "dst", {"d": "a file"})
+        _tree(base / "src", {"d": {"x": "x"}, "ro": {"f": "f", "deeper": {"g": "g"}}})
+        for p in (base / "src" / "ro" / "deeper", base / "src" / "ro"):
+            p.chmod(0o555)
+        # The sandbox's download: the tree as it came, its modes kept.
+        _as_a_user(base, f"import argparse, asyncio, shutil\n"
+                         f"from dsecd import cli\n"
+                         f"class Sandbox:\n"
+                         f"    async def download_dir(self, src, held):\n"
+                         f"        shutil.copytree({str(base / 'src')!r}, held, symlinks=True)\n"
+                         f"        return {{'path': held}}\n"
+                         f"try:\n"
+                         f"    asyncio.run(cli._cp_merged(argparse.Namespace(json=False, owner=None), Sandbox(), "
+                         f"'/src/.', {str(base / 'dst')!r}, upload=False))\n"
+                         f"except NotADirectoryError:\n"
+                         f"    pass\n"
+                         f"else:\n"
+                         f"    raise SystemExit('merged where a directory meets a file')\n")
+        assert os.listdir(base / "dst") == ["d"]
+    finally:
+        if base != tmp_path:
+            shutil.rmtree(base)
+
+
+def test_a_failed_copy_out_leaves_no_temporary_directory_for_a_non_root_user(tmp_path):
+    """A copy out of a sandbox (localcopy.unpack) that fails at its rename
+    into place removes the directory it extracted into, whose directories
+    have the archive's modes by then: one read-only (0555) kept it, and
+    what it held, beside the destination for a user other than root."""
+    base = Path(tempfile.mkdtemp(dir="/tmp")) if os.geteuid() == 0 else tmp_path   # pytest's tmp is 0700 root's
+    try:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tf:
+            for name, mode in (("ro", 0o555), ("ro/deeper", 0o555)):
+                info = tarfile.TarInfo(name)
+                info.type, info.mode = tarfile.DIRTYPE, mode
+                tf.addfile(info)
+            info = tarfile.TarInfo("ro/deeper/f")
+            info.size = 1
+            tf.addfile(info, io.BytesIO(b"f"))
+        (base / "copy.tar").write_bytes(buf.getvalue())
+        _as_a_user(base, f"import errno, os\n"
+                         f"from dsecd import localcopy\n"
+                         f"def refused(*_args):\n"
+                         f"    raise OSError(errno.EXDEV, 'refused by the test')\n"
+                         f"os.rename = refused\n"
+                         f"try:\n"
+                         f"    localcopy.unpack(open({str(base / 'copy.tar')!r}, 'rb'), {str(base / 'copy')!r})\n"
+                         f"except OSError as err:\n"
+                         f"    assert err.errno == errno.EXDEV, err\n"
+                         f"else:\n"
+                         f"    raise SystemExit('renamed into place')\n")
+        assert os.listdir(base) == ["copy.tar"]
     finally:
         if base != tmp_path:
             shutil.rmtree(base)
