@@ -1661,7 +1661,8 @@ class Client:
         what came already passed over (by its time and `seq`: the next
         daemon numbers from 1 again, later), as is, without replay, what
         the same daemon (reached again over ssh://) published before the
-        follow began (by its time then, which a ping asks first). No
+        follow began (by its time then, which a ping asks first); a
+        `sandbox` prefix is asked for by the id its first event carried. No
         daemon runs meanwhile, so none is missed unless the next daemon
         published more than its history keeps (256) first. Lost
         FOLLOW_LOST_MAX times in a row with no event come (a daemon that
@@ -1689,6 +1690,11 @@ class Client:
                         came = True
                         if "__result__" in frame:
                             return
+                        if sandbox and frame.get("sandbox"):
+                            # Followed again, by the id the daemon resolved `sandbox` to: a
+                            # prefix resolved again by the next daemon may name another
+                            # sandbox by then (this one destroyed, a new one sharing it).
+                            sandbox = frame["sandbox"]
                         at = (frame.get("time", 0.0), frame.get("seq", 0))
                         if again and last is not None and at <= last:
                             continue                    # given before the loss

@@ -249,6 +249,17 @@ def test_an_events_follower_goes_on_after_a_daemon_restart(tmp_path):
     assert [a["replay"] for a in asked] == [False, True] and asked[1]["sandbox"] == "sb"
 
 
+def test_an_events_follower_of_a_prefix_follows_the_sandbox_it_named_after_a_restart(tmp_path):
+    """events(sandbox=PREFIX) was followed again with the prefix, which the
+    next daemon resolves again: by then it may name another sandbox (the
+    one it named destroyed, a new one sharing the prefix), or be ambiguous.
+    Followed again, it asks for the id its events carried."""
+    first = {**_ev(1, 1.0), "sandbox": "abc123"}
+    got, asked = _events_across(tmp_path, [[first], [{**_ev(1, 5.0), "sandbox": "abc123"}]], sandbox="abc")
+    assert [a["sandbox"] for a in asked] == ["abc", "abc123"]
+    assert len(got) == 2
+
+
 def test_an_events_follower_of_the_same_daemon_gets_no_event_twice(tmp_path):
     """A connection lost while the daemon stays (an ssh:// link): its
     history has what came already, passed over."""
