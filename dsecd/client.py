@@ -2437,10 +2437,7 @@ class Sandbox:
                 # daemon restart), and the file with it (the daemon removes
                 # one whose connection ended); a later piece, or the rename,
                 # went on the next connection and found it gone.
-                raise ConnectionLost(
-                    f"file_write on {self.client.target}: connection lost while writing {self.id}:{path}: the "
-                    f"part written went with it (it was written under a temporary name), and {path} is as it "
-                    "was; write it again", target=self.client.target, op="file_write", sent=True) from None
+                raise self._temporary_write_lost(path, "", sent=True) from None
             if isinstance(err, ConnectionLost) and err.sent and renaming:
                 raise ConnectionLost(
                     f"file_write on {self.client.target}: connection lost while renaming the file written over "
@@ -2452,15 +2449,20 @@ class Sandbox:
                 # `path`. (What the lost request's own error said, that it
                 # may have been carried out, is not so of the write; why
                 # one never sent was not is.)
-                why = "" if err.sent else f" ({err})"
-                raise ConnectionLost(
-                    f"file_write on {self.client.target}: connection lost while writing {self.id}:{path}{why}: "
-                    f"the part written went with it (it was written under a temporary name), and {path} is as "
-                    "it was; write it again", target=self.client.target, op="file_write", sent=err.sent) from None
+                raise self._temporary_write_lost(path, "" if err.sent else f" ({err})", err.sent) from None
             if isinstance(err, DsecError):      # the caller knows no temporary file: name theirs
                 raise named_as(err, tmp, path, removed, verb=("rename", "write")) from None
             raise
         return size
+
+    def _temporary_write_lost(self, path: str, why: str, sent: bool) -> ConnectionLost:
+        """The error of an atomic write_file whose temporary file went with a
+        lost connection before its rename: `path` is as it was. `why`: what
+        to add after the path (the loss's own error, or "")."""
+        return ConnectionLost(
+            f"file_write on {self.client.target}: connection lost while writing {self.id}:{path}{why}: the part "
+            f"written went with it (it was written under a temporary name), and {path} is as it was; write it "
+            "again", target=self.client.target, op="file_write", sent=sent)
 
     def _connection_now(self) -> _Conn | None:
         """The client's connection at this moment (a new one after a loss);
