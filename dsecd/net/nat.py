@@ -63,6 +63,7 @@ DEFAULT_BRIDGE = "dsec0"
 HOST_CLAIMS = "/run/dsecd-nat.lock"
 # Where every daemon claims the host ports it publishes (PortClaims).
 PORT_CLAIMS = "/run/dsecd-ports.lock"
+RT_TABLE_MAIN = 254             # the routing table `ip route` shows
 
 
 def _claim_table(ns_path: str | None, bridge: str) -> int | None:
@@ -262,8 +263,14 @@ def default_route_ifname(ns_path: str | None) -> str:
         found = nldump.routes(sock, socket.AF_INET, "list the IPv4 routes")
     finally:
         sock.close()
-    # A default route: one with no destination (in any table, as before).
-    oifs = [r.get_attr("RTA_OIF") for r in found if r.get_attr("RTA_DST") is None]
+    # A default route: one with no destination. The dump holds every
+    # table's, in table order: another table's (policy routing: a VPN's,
+    # say) would come before main's, whose is the one the sandboxes'
+    # traffic leaves by unless rules say otherwise. Main's first; another
+    # table's serves where main has none.
+    defaults = [r for r in found if r.get_attr("RTA_DST") is None]
+    defaults.sort(key=lambda r: (r.get_attr("RTA_TABLE") or r["table"]) != RT_TABLE_MAIN)
+    oifs = [r.get_attr("RTA_OIF") for r in defaults]
     with IPRoute(fileno=netlink_socket(ns_path).detach(), groups=0) as ipr:
         for oif in filter(None, oifs):
             links = ipr.get_links(oif)
