@@ -1666,7 +1666,9 @@ class Client:
         daemon runs meanwhile, so none is missed unless the next daemon
         published more than its history keeps (256) first. Lost
         FOLLOW_LOST_MAX times in a row with no event come (a daemon that
-        drops the request), it ends with the ConnectionLost."""
+        drops the request), it ends with the ConnectionLost; followed
+        again, a `sandbox` the next daemon no longer knows ends it with
+        NotFound, saying so."""
         # `follow` only when it differs from the default, which older daemons do not know.
         extra = {} if follow else {"follow": False}
         last: tuple[float, int] | None = None          # the (time, seq) of the last event given
@@ -1707,6 +1709,15 @@ class Client:
                     raise
                 again = True
                 await refollow.lost(err, came)
+            except NotFound as err:
+                if not (again and sandbox and not came):
+                    raise
+                # Its answer alone would read as if the follow named a
+                # sandbox that never was.
+                raise NotFound(f"events of sandbox {sandbox}: followed again after the connection to the daemon "
+                               "was lost (a daemon restart), the daemon has no such sandbox any more (destroyed "
+                               f"before the restart, or meanwhile): its events end here: {err.message}",
+                               err.detail) from None
 
     async def get(self, sandbox_id: str) -> Sandbox:
         info = _sandbox_info(await self.request("inspect", sandbox=sandbox_id))

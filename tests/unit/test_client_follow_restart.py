@@ -10,7 +10,7 @@ import os
 import pytest
 from standin_kit import serving
 
-from dsecd import ConnectionLost, protocol
+from dsecd import ConnectionLost, NotFound, protocol
 from dsecd.client import Client, Process, ProcOutput, Sandbox
 
 
@@ -258,6 +258,43 @@ def test_an_events_follower_of_a_prefix_follows_the_sandbox_it_named_after_a_res
     got, asked = _events_across(tmp_path, [[first], [{**_ev(1, 5.0), "sandbox": "abc123"}]], sandbox="abc")
     assert [a["sandbox"] for a in asked] == ["abc", "abc123"]
     assert len(got) == 2
+
+
+def test_an_events_follower_of_a_sandbox_the_next_daemon_has_not_says_so(tmp_path):
+    """Followed again after a daemon restart, the events of a sandbox the
+    next daemon does not know (destroyed before it, or meanwhile) ended
+    with its answer alone, "no sandbox 'sb' (see `dsec ps`)", as if the
+    follow had named a sandbox that never was."""
+    sock_path = str(tmp_path / "d.sock")
+    asked: list[dict] = []
+
+    async def answer(f: dict, writer) -> bool:
+        if f["op"] != "events":
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {"time": 0.0} if f["op"] == "ping" else {}}))
+            return False
+        asked.append(f["args"])
+        if len(asked) == 1:
+            writer.write(protocol.encode_frame({"id": f["id"], "stream": _ev(1, 1.0, "destroyed")}))
+            await writer.drain()
+            writer.transport.abort()
+            return True
+        error = {"code": "not_found", "message": "no sandbox 'sb' (see `dsec ps`)", "detail": {"sandbox": "sb"}}
+        writer.write(protocol.encode_frame({"id": f["id"], "error": error}))
+        return False
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(answer), sock_path)
+        got: list = []
+        async with server:
+            async with Client(sock_path) as c:
+                with pytest.raises(NotFound) as info:
+                    async for ev in c.events(sandbox="sb"):
+                        got.append(ev)
+        return got, info.value
+
+    got, err = asyncio.run(asyncio.wait_for(go(), 30))
+    assert got == [_ev(1, 1.0, "destroyed")] and len(asked) == 2
+    assert "lost" in err.message and "no sandbox 'sb'" in err.message and err.detail == {"sandbox": "sb"}, err
 
 
 def test_an_events_follower_of_the_same_daemon_gets_no_event_twice(tmp_path):
