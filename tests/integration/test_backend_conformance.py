@@ -295,6 +295,24 @@ def test_files(box):
     assert sb.remove("/work/conf", recursive=True)["removed"] == 4
 
 
+def test_mtimes_before_1970_and_below_a_second_read_back_as_set(box):
+    """stat and list_files give the file's mtime as os.stat's st_mtime gives
+    it: one before 1970 is negative (a VM's read as 2^64 ns less, some year
+    2554), and nanoseconds come as the same float on both backends."""
+    _, sb, _, _ = box
+    sb.mkdir("/work/times")
+    try:
+        assert sb.exec(["sh", "-c", "cd /work/times && touch -d @-100 before && touch -d @-315619200 long_before "
+                                    "&& touch now"]).exit_code == 0
+        sb.set_attrs("/work/times/now", mtime=1600000000.123456789)
+        sec, nsec = divmod(int(1600000000.123456789 * 1e9), 10**9)      # as file_set_attrs sets it
+        want = {"before": -100.0, "long_before": -315619200.0, "now": sec + nsec * 1e-9}
+        assert {e["name"]: e["mtime"] for e in sb.list_files("/work/times")} == want
+        assert {name: sb.stat(f"/work/times/{name}")["mtime"] for name in want} == want
+    finally:
+        sb.remove("/work/times", recursive=True)
+
+
 def test_file_errors(box):
     _, sb, _, _ = box
     with pytest.raises(DsecError) as err:

@@ -168,4 +168,14 @@ class Reader:
 
     def stat(self) -> dict:
         kind, size, mode, uid, gid, mtime_ns = self.str(), self.u64(), self.u64(), self.u64(), self.u64(), self.u64()
-        return {"type": kind, "size": size, "mode": mode, "uid": uid, "gid": gid, "mtime": mtime_ns / 1e9}
+        return {"type": kind, "size": size, "mode": mode, "uid": uid, "gid": gid, "mtime": mtime_seconds(mtime_ns)}
+
+
+def mtime_seconds(field: int) -> float:
+    """The mtime the agent sends as a u64 of nanoseconds (its tv_sec * 10^9 +
+    tv_nsec, two's complement: a time before 1970 is negative), as the float
+    os.stat's st_mtime is for a container's file: seconds plus nanoseconds *
+    1e-9, which is not always the same float as ns / 1e9."""
+    ns = field - (1 << 64) if field >= 1 << 63 else field
+    sec, nsec = divmod(ns, 1_000_000_000)
+    return sec + nsec * 1e-9
