@@ -1509,7 +1509,7 @@ async def _cp_file_tar_out(a, sb, sb_id: str, src: str) -> int:
                          "a terminal; redirect it (> file.tar) or pipe it (| tar -x)")
     st = await sb.stat(src)
     if st["type"] == "symlink":
-        with contextlib.suppress(BadRequest):       # a microVM's stat does not follow: a new file's mode
+        with contextlib.suppress(BadRequest):       # a microVM's agent before version 8 does not follow
             st = await sb.stat(src, follow=True)
     with tempfile.TemporaryFile() as spool:
         async with contextlib.aclosing(sb.read_chunks(src)) as chunks:
@@ -1717,7 +1717,7 @@ async def _cp(c: Client, a) -> int:
         raise UsageError(f"dsec cp: {dst}: no such directory (a destination ending in / must be one)")
     st = await sb.stat(src)
     if st["type"] == "symlink":     # -L (or a microVM's link): its target's bits
-        with contextlib.suppress(BadRequest):       # a microVM's stat does not follow: a new file's mode
+        with contextlib.suppress(BadRequest):       # a microVM's agent before version 8 does not follow
             st = await sb.stat(src, follow=True)
     # Its permission bits, as docker cp keeps them; never setuid or setgid
     # on our side (a sandbox's file, owned here by whoever runs dsec).
@@ -1762,7 +1762,8 @@ async def _cp_link_out(c: Client, a, sb_id: str, src: str, dst: str) -> bool:
     """`dsec cp -r SB:/link DST` (or -P), as cp -a and docker cp do it: a
     symlink comes out as a symlink with the same target (a trailing / or /.
     follows it). False when `src` is no symlink, or its target is not known
-    (a microVM's stat does not read links): the caller copies what it leads to."""
+    (a microVM's agent before version 8 reads no links): the caller copies
+    what it leads to."""
     if src.endswith("/") or _contents_of(src):
         return False
     sb = await c.get(sb_id)

@@ -95,7 +95,7 @@ enum {
     M_KILL = 4,    /* signal */
     M_READ = 10,   /* path, offset, length */
     M_WRITE = 11,  /* path, flags, mode, offset (2^64-1: none), data[, owner uid, gid] */
-    M_STAT = 12,   /* path */
+    M_STAT = 12,   /* path[, flags (STAT_FOLLOW)]: OK stat fields, dev, ino[, a symlink's target] */
     M_LIST = 13,   /* path, depth */
     M_MKDIR = 14,  /* path, parents, mode[, owner uid, gid] */
     M_REMOVE = 15, /* path, recursive */
@@ -151,6 +151,7 @@ enum {
 #define WRITE_PARENTS 4u    /* make missing parent directories */
 #define RENAME_OVERWRITE 1u /* M_RENAME flags: replace an existing dst */
 #define RENAME_KEEP_ATTRS 2u /* a regular file replacing one takes its owner, group and mode */
+#define STAT_FOLLOW 1u      /* M_STAT flags: stat what a symlink leads to (inside the root), not the link */
 
 #define STR_(x) #x
 #define STR(x) STR_(x)
@@ -166,8 +167,9 @@ enum {
  * 4: EXEC_GROUPS (the host sends it to no older agent: one would run the
  * command without the groups). 6: a put's r record (the host sends it to
  * no older agent: the copy is refused). 7: M_SETATTR (the host sends it to
- * no older agent). */
-#define AGENT_VERSION 7
+ * no older agent). 8: M_STAT takes STAT_FOLLOW and answers a symlink's
+ * target (the host sends the flag to no older agent: one would ignore it). */
+#define AGENT_VERSION 8
 #define MAX_LIST 100000
 
 static int chan = -1;   /* the virtio-serial port */
@@ -2244,6 +2246,7 @@ done:
 static void do_stat(uint32_t id, struct rd *r)
 {
     char *path = get_str(r);
+    uint64_t flags = r->p < r->end ? get_u64(r) : 0; /* an older host sends none */
     struct stat st;
     int fd = -1;
 
@@ -2251,7 +2254,7 @@ static void do_stat(uint32_t id, struct rd *r)
         send_err(id, EINVAL, "malformed stat request");
         goto done;
     }
-    fd = open_in_root(path, O_PATH | O_NOFOLLOW, 0);
+    fd = open_in_root(path, O_PATH | (flags & STAT_FOLLOW ? 0 : O_NOFOLLOW), 0);
     if (fd < 0 || fstat(fd, &st) < 0) {
         send_err(id, errno, "stat");
         goto done;
@@ -2263,6 +2266,19 @@ static void do_stat(uint32_t id, struct rd *r)
      * only if it is still that file (an older host reads no further). */
     put_u64(&out, (uint64_t)st.st_dev);
     put_u64(&out, (uint64_t)st.st_ino);
+    if (S_ISLNK(st.st_mode)) {
+        /* A symlink's text, as a container's stat gives it (`dsec cp -r
+         * SB:/link` makes the same link): readlinkat of the O_PATH fd with
+         * an empty name reads this very link, not one a path resolves to. */
+        char target[PATH_MAX];
+        ssize_t n = readlinkat(fd, "", target, sizeof(target));
+
+        if (n < 0 || n == (ssize_t)sizeof(target)) {
+            send_err(id, n < 0 ? errno : ENAMETOOLONG, "readlink");
+            goto done;
+        }
+        put_bytes(&out, target, (size_t)n);
+    }
     send_msg(&out);
 done:
     if (fd >= 0)

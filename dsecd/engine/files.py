@@ -239,9 +239,6 @@ class FileService:
         return await self._file_op(req, "list", sbfiles.list_dir, req.path, req.depth)
 
     async def stat(self, req, ctx) -> dict:
-        if req.follow and self.registry.get(req.sandbox, req).backend == "microvm":
-            raise BadRequest(f"stat {req.sandbox}:{req.path}: follow is not available for a microVM sandbox "
-                             "(its agent does not follow symlinks); stat the target's own path")
         return await self._file_op(req, "stat", sbfiles.stat_path, req.path, req.follow)
 
     async def mkdir(self, req, ctx) -> dict:

@@ -1094,10 +1094,26 @@ class MicroVMService:
         if why:
             raise BadRequest(why, {"sandbox": sb.id, "path": dst})
 
-    async def stat_path(self, sb: Sandbox, path: str) -> dict:
+    async def stat_path(self, sb: Sandbox, path: str, follow: bool = False) -> dict:
+        """As the container's sbfiles.stat_path: lstat, a symlink with its
+        `target` (from an agent of STAT_AGENT_VERSION on); with `follow`
+        what it leads to, inside the guest's root."""
         path = _check(path, f"stat {sb.id}:{path}")
-        r = await self._file(sb, "stat", path, wire.STAT, wire.bstr(path))
-        return {**r.stat(), "path": path}
+        version = self.agent(sb).agent_version
+        if follow and version < wire.STAT_AGENT_VERSION:
+            # bad_request, as it was before any agent could (dsec cp falls back on it)
+            raise BadRequest(f"stat {sb.id}:{path}: this microVM's guest agent (version {version}) cannot follow "
+                             f"a symlink (version {wire.STAT_AGENT_VERSION} can): stat the target's own path, "
+                             "or recreate the sandbox on this daemon's guest image",
+                             {"sandbox": sb.id, "agent_version": version})
+        flags = (wire.u64(wire.STAT_FOLLOW if follow else 0),) if version >= wire.STAT_AGENT_VERSION else ()
+        r = await self._file(sb, "stat", path, wire.STAT, wire.bstr(path), *flags)
+        out = {**r.stat(), "path": path}
+        if r.more():
+            r.u64(), r.u64()                    # its device and inode numbers (identity)
+        if out["type"] == "symlink" and r.more():
+            out["target"] = sbfiles.name_text(r.bytes())
+        return out
 
     async def identity(self, sb: Sandbox, path: str) -> tuple[int, int] | None:
         """The guest's (device, inode) numbers of `path` (not followed): what
@@ -1137,7 +1153,7 @@ class MicroVMService:
     async def _file_op(self, sb: Sandbox, req, owner_fields: tuple[bytes, ...] = ()) -> dict:
         op = req.OP
         if op == "file_stat":
-            return await self.stat_path(sb, req.path)
+            return await self.stat_path(sb, req.path, req.follow)
         if op == "file_rename":
             src = _check(req.src, f"rename {sb.id}:{req.src} -> {req.dst}")
             dst = _check(req.dst, f"rename {sb.id}:{req.src} -> {req.dst}")

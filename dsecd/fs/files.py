@@ -217,7 +217,7 @@ def is_directory(rootfd: int, path: str) -> bool:
     return True
 
 
-def _text(raw: bytes) -> str | bytes:
+def name_text(raw: bytes) -> str | bytes:
     """A name as the protocol carries it: str, or bytes where it is not UTF-8
     (a str with surrogates cannot be sent)."""
     try:
@@ -237,7 +237,7 @@ def stat_path(rootfd: int, path: str, follow: bool = False) -> dict:
         out = _stat_dict(st)
         out["path"] = path
         if stat.S_ISLNK(st.st_mode):
-            out["target"] = _text(os.readlink(b"", dir_fd=fd))     # readlinkat of the O_PATH fd: this very link
+            out["target"] = name_text(os.readlink(b"", dir_fd=fd))     # readlinkat of the O_PATH fd: this very link
         return out
     finally:
         os.close(fd)

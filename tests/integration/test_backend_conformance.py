@@ -313,6 +313,37 @@ def test_mtimes_before_1970_and_below_a_second_read_back_as_set(box):
         sb.remove("/work/times", recursive=True)
 
 
+def test_a_symlinks_stat_gives_its_target_and_follows_on_request(box, daemon, tmp_path):
+    """lstat by default, with the link's text as `target` (bytes where it is
+    not UTF-8); `follow` stats what it leads to inside the sandbox. So `dsec
+    cp -r SB:/link` makes the same link on either backend, and a plain copy
+    of a link to a file gives the target's permission bits (a microVM's
+    agent read no links: its copy was a new file's 0644, and -r the
+    target's bytes)."""
+    _, sb, _, _ = box
+    sb.mkdir("/work/links")
+    try:
+        assert sb.exec(["sh", "-c", "cd /work/links && echo hi > f && chmod 750 f && ln -s f ln "
+                                    "&& ln -s \"$(printf 'caf\\351')\" odd && ln -s /nowhere dangling"]).exit_code == 0
+        st = sb.stat("/work/links/ln")
+        assert (st["type"], st["target"]) == ("symlink", "f"), st
+        assert sb.stat("/work/links/odd")["target"] == os.fsdecode(b"caf\xe9")
+        assert sb.stat("/work/links/dangling")["target"] == "/nowhere"
+        followed = sb.stat("/work/links/ln", follow=True)
+        assert (followed["type"], followed["mode"], followed["size"]) == ("file", 0o750, 3), followed
+        assert "target" not in followed and "target" not in sb.stat("/work/links/f")
+        with pytest.raises(NotFound):
+            sb.stat("/work/links/dangling", follow=True)
+        r = daemon.cli("cp", "-r", f"{sb.id}:/work/links/ln", str(tmp_path / "ln"))
+        assert r.returncode == 0, r.stderr
+        assert os.readlink(tmp_path / "ln") == "f"
+        r = daemon.cli("cp", f"{sb.id}:/work/links/ln", str(tmp_path / "copy"))
+        assert r.returncode == 0, r.stderr
+        assert (tmp_path / "copy").read_bytes() == b"hi\n" and (tmp_path / "copy").stat().st_mode & 0o777 == 0o750
+    finally:
+        sb.remove("/work/links", recursive=True)
+
+
 def test_file_errors(box):
     _, sb, _, _ = box
     with pytest.raises(DsecError) as err:

@@ -63,6 +63,7 @@ class _FifoLink:
     """A guest agent whose /w/fifo is a FIFO: READ and WRITE refuse it
     (require_regular: EINVAL at "open"), STAT says what it is."""
     closed = False
+    agent_version = 8
 
     async def request(self, kind, *fields):
         from dsecd.backends.microvm import wire

@@ -48,6 +48,11 @@ REPLACE_AGENT_VERSION = 6
 # The version from which it takes SETATTR; an older one answers ENOSYS:
 # such a request is refused (MicroVMService._file_op).
 ATTRS_AGENT_VERSION = 7
+# The version from which a STAT takes STAT_FOLLOW and answers a symlink's
+# target (after the device and inode numbers); an older one would ignore
+# the flag: a follow is refused (engine/files.py).
+STAT_AGENT_VERSION = 8
+STAT_FOLLOW = 1
 TRACE_FD = 3
 WRITE_APPEND, WRITE_KEEP, WRITE_PARENTS = 1, 2, 4
 RENAME_OVERWRITE, RENAME_KEEP_ATTRS = 1, 2
