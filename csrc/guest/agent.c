@@ -168,8 +168,12 @@ enum {
  * command without the groups). 6: a put's r record (the host sends it to
  * no older agent: the copy is refused). 7: M_SETATTR (the host sends it to
  * no older agent). 8: M_STAT takes STAT_FOLLOW and answers a symlink's
- * target (the host sends the flag to no older agent: one would ignore it). */
-#define AGENT_VERSION 8
+ * target (the host sends the flag to no older agent: one would ignore it).
+ * 9: times before 1970 and below a second: a tar's mtime before 1970 in a
+ * pax record (was 0), M_SETATTR's mtime signed, and a put told "ns" in its
+ * argv takes its records' mtimes as signed nanoseconds (the host sends a
+ * negative mtime to no older agent, nor "ns": one would take it as none). */
+#define AGENT_VERSION 9
 #define MAX_LIST 100000
 
 static int chan = -1;   /* the virtio-serial port */
@@ -513,7 +517,7 @@ static void flush_stdin(struct exec *x)
 
 static void close_proc_fds(void);
 static int tar_get_main(const char *path, uint64_t max_entries, uint64_t max_bytes);
-static int tar_put_main(const char *path);
+static int tar_put_main(const char *path, int ns_times);
 static int owner_set(uint32_t uid, uint32_t gid);
 static int watch_main(const char *path, int recursive, uint64_t max_dirs);
 
@@ -1067,13 +1071,15 @@ static void __attribute__((noreturn, noinline)) child_main(const struct child *c
         }
         close_proc_fds();
         if (c->copy & EXEC_TAR_PUT) {
-            /* argv: the directory, then its owner's uid and gid if not root */
+            /* argv: the directory, then its owner's uid and gid if not root
+             * (or a host of version 9 on), then "ns" from such a host: its
+             * records' mtimes are signed nanoseconds, not seconds */
             if (c->argc > 2 && owner_set((uint32_t)strtoul(c->argv[1], NULL, 10),
                                          (uint32_t)strtoul(c->argv[2], NULL, 10)) < 0) {
                 step = "take the owner's ids";
                 goto child_fail;
             }
-            _exit(tar_put_main(c->argv[0]));
+            _exit(tar_put_main(c->argv[0], c->argc > 3 && !strcmp(c->argv[3], "ns")));
         }
         if (c->copy & EXEC_WATCH)
             _exit(watch_main(c->argv[0], c->argc > 1 && !strcmp(c->argv[1], "1"),
@@ -2045,6 +2051,19 @@ static int open_parent(const char *path, const char **name)
     return open_in_root(n ? parent : "/", O_PATH | O_DIRECTORY, 0);
 }
 
+/* A timespec of `field`, signed nanoseconds since the epoch in a u64 (two's
+ * complement: before 1970 is negative), as the host sends an mtime. */
+static struct timespec ns_time(uint64_t field)
+{
+    int64_t ns = (int64_t)field, sec = ns / 1000000000, nsec = ns % 1000000000;
+
+    if (nsec < 0) { /* C truncates toward zero; tv_nsec must be 0..10^9-1 */
+        sec -= 1;
+        nsec += 1000000000;
+    }
+    return (struct timespec){.tv_sec = (time_t)sec, .tv_nsec = (long)nsec};
+}
+
 static const char *type_of(mode_t m)
 {
     return S_ISREG(m) ? "file" : S_ISDIR(m) ? "dir" : S_ISLNK(m) ? "symlink" : S_ISCHR(m) ? "char"
@@ -2421,9 +2440,8 @@ static void do_setattr(uint32_t id, struct rd *r)
         goto done;
     }
     if (flags & 2) {
-        struct timespec ts[2] = {{.tv_sec = (time_t)(ns / 1000000000u), .tv_nsec = (long)(ns % 1000000000u)}};
+        struct timespec ts[2] = {ns_time(ns), ns_time(ns)};
 
-        ts[1] = ts[0];
         if (utimensat(AT_FDCWD, proc, ts, 0) < 0) {
             send_err(id, errno, "utimensat");
             goto done;
@@ -2974,6 +2992,16 @@ static void tar_header(struct tarw *t, const char *name, char type, const struct
         int k = snprintf(num, sizeof(num), "%llu", (unsigned long long)size);
         pax_record(&pax, "size", num, (size_t)k);
     }
+    /* Whole seconds, as the container backend's copy stores them (Python's
+     * int(st_mtime): toward zero); one that ustar's unsigned field cannot
+     * hold (before 1970) as a pax record, as Python's tarfile writes it. */
+    long long mtime = (long long)st->st_mtim.tv_sec + (st->st_mtim.tv_sec < 0 && st->st_mtim.tv_nsec > 0);
+
+    if (mtime < 0 || mtime > 077777777777ll) {
+        char num[24];
+        int k = snprintf(num, sizeof(num), "%lld", mtime);
+        pax_record(&pax, "mtime", num, (size_t)k);
+    }
     if (st->st_uid > 07777777 || st->st_gid > 07777777) {
         char num[24];
         int k = snprintf(num, sizeof(num), "%u", (unsigned)st->st_uid);
@@ -3002,7 +3030,7 @@ static void tar_header(struct tarw *t, const char *name, char type, const struct
     octal((char *)h + 108, 8, st->st_uid & 07777777);
     octal((char *)h + 116, 8, st->st_gid & 07777777);
     octal((char *)h + 124, 12, size > 077777777777ull ? 0 : size);
-    octal((char *)h + 136, 12, (uint64_t)(st->st_mtime > 0 ? st->st_mtime : 0) & 077777777777ull);
+    octal((char *)h + 136, 12, mtime < 0 ? 0 : (uint64_t)mtime & 077777777777ull);
     memset(h + 148, ' ', 8);
     h[156] = (unsigned char)type;
     if (link)
@@ -3598,14 +3626,18 @@ static int put_parent(int topfd, char *rel, const char **leaf)
     return fd;
 }
 
-/* One record: kind, rel, mode, mtime (s), size, then size bytes (a file's
- * data, a link's target). Kinds: d a directory (mode 0700 until its D), f
- * a file, s a symlink, h a hard link to a file made before, D a directory's
- * mode and mtime (2^64-1: none; sent last, deepest first), r the removal of
+/* One record: kind, rel, mode, mtime, size, then size bytes (a file's
+ * data, a link's target). The mtime: seconds, or with ns_times signed
+ * nanoseconds (PUT_NO_MTIME: none). Kinds: d a directory (mode 0700 until
+ * its D), f a file, s a symlink, h a hard link to a file made before, D a
+ * directory's mode and mtime (none: 2^64-1 in seconds, PUT_NO_MTIME in
+ * nanoseconds; sent last, deepest first), r the removal of
  * what an earlier record made at the name, which a later entry of the
  * archive replaces (mode 1: an empty directory; else a file or symlink,
  * never followed), E the end: rename into place. */
-static int put_record(int topfd, int pfd, const char *tmp, const char *name, int *ended)
+#define PUT_NO_MTIME (1ull << 63) /* an ns_times put's "no mtime": INT64_MIN ns, no time a tar holds */
+
+static int put_record(int topfd, int pfd, const char *tmp, const char *name, int *ended, int ns_times)
 {
     unsigned char head[5];
     unsigned char nums[20];
@@ -3658,6 +3690,10 @@ static int put_record(int topfd, int pfd, const char *tmp, const char *name, int
     if (dfd < 0)
         goto err;
     struct timespec ts[2] = {{.tv_sec = (time_t)mtime}, {.tv_sec = (time_t)mtime}};
+    int no_mtime = mtime == (ns_times ? PUT_NO_MTIME : UINT64_MAX);
+
+    if (ns_times)
+        ts[0] = ts[1] = ns_time(mtime);
     switch (head[0]) {
     case 'd':
         if (mkdirat(dfd, leaf, 0700) < 0)
@@ -3669,7 +3705,7 @@ static int put_record(int topfd, int pfd, const char *tmp, const char *name, int
         break;
     case 'D':
         fd = openat(dfd, leaf, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-        if (fd < 0 || fchmod(fd, (mode_t)(mode & 01777)) < 0 || (mtime != UINT64_MAX && futimens(fd, ts) < 0))
+        if (fd < 0 || fchmod(fd, (mode_t)(mode & 01777)) < 0 || (!no_mtime && futimens(fd, ts) < 0))
             goto err;
         break;
     case 'f': {
@@ -3736,7 +3772,7 @@ done:
     return rc;
 }
 
-static int tar_put_main(const char *path)
+static int tar_put_main(const char *path, int ns_times)
 {
     const char *name;
     char tmp[64];
@@ -3767,7 +3803,7 @@ static int tar_put_main(const char *path)
         return 1;
     }
     while (!ended)
-        if (put_record(topfd, pfd, tmp, name, &ended) < 0) {
+        if (put_record(topfd, pfd, tmp, name, &ended, ns_times) < 0) {
             remove_at(pfd, tmp, 1, &removed);
             return 1;
         }

@@ -830,8 +830,13 @@ class MicroVMService:
         if path == "/":
             raise BadRequest(f"copy into {where}: cannot copy a directory onto /; name a new directory below it",
                              {"path": path})
-        # The put child's argv: the directory, then its owner's ids (agent.c).
-        argv = [path, *(str(i) for i in owner)] if self._owner_fields(sb, owner, f"copy into {where}") else [path]
+        # The put child's argv: the directory, then its owner's ids (agent.c),
+        # then "ns" to an agent that takes its records' mtimes in nanoseconds.
+        ids = owner if self._owner_fields(sb, owner, f"copy into {where}") else None
+        if self.agent(sb).agent_version >= wire.TIMES_AGENT_VERSION:
+            argv = [path, *(str(i) for i in ids or (0, 0)), "ns"]
+        else:
+            argv = [path, *(str(i) for i in ids)] if ids else [path]
         loop = asyncio.get_running_loop()
         started: asyncio.Future = loop.create_future()
 
@@ -1211,12 +1216,17 @@ class MicroVMService:
                 raise Unsupported(f"set attributes of {sb.id}:{path}: this microVM's guest agent (version "
                                   f"{version}) cannot set a file's mode or mtime (version "
                                   f"{wire.ATTRS_AGENT_VERSION} can)", {"sandbox": sb.id, "agent_version": version})
+            if req.mtime is not None and req.mtime < 0 and version < wire.TIMES_AGENT_VERSION:
+                raise Unsupported(f"set attributes of {sb.id}:{path}: this microVM's guest agent (version "
+                                  f"{version}) cannot set an mtime before 1970 (version "
+                                  f"{wire.TIMES_AGENT_VERSION} can): recreate the sandbox on this daemon's "
+                                  "guest image", {"sandbox": sb.id, "agent_version": version})
             flags = ((wire.SETATTR_MODE if req.mode is not None else 0)
                      | (wire.SETATTR_MTIME if req.mtime is not None else 0)
                      | (wire.SETATTR_FOLLOW if req.follow else 0))
             try:
                 await self._file(sb, "set attributes of", path, wire.SETATTR, wire.bstr(path), wire.u64(flags),
-                                 wire.u64(req.mode or 0), wire.u64(max(0, int((req.mtime or 0) * 1e9))))
+                                 wire.u64(req.mode or 0), wire.u64(wire.ns_field(req.mtime or 0)))
             except DsecError as err:
                 if err.detail.get("guest_step") != "not a file or directory":
                     raise
@@ -1249,16 +1259,24 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None,
     room(size), if given, raises when a file of PUT_CHECK_BYTES or more
     would not fit in the guest (MicroVMService.check_room); the records
     before it are sent first. An agent older than REPLACE_AGENT_VERSION
-    has no removal: such an archive is refused."""
+    has no removal: such an archive is refused. From TIMES_AGENT_VERSION
+    on (its argv says "ns") mtimes go as nanoseconds, before 1970 too; to
+    an older agent as whole seconds, one before 1970 as 0."""
     seen = tarsafe.Seen(max_entries, max_bytes)
     out = bytearray()
     made = {""}
-    dir_modes: dict[str, tuple[int, int]] = {"": (0o755, -1)}
+    dir_modes: dict[str, tuple[int, float | None]] = {"": (0o755, None)}
+    ns_times = agent_version >= wire.TIMES_AGENT_VERSION
 
-    def record(kind: bytes, rel: str, mode: int = 0, mtime: int = 0, data: bytes = b"",
+    def stamp_of(mtime: float | None) -> int:
+        if ns_times:
+            return wire.PUT_NO_MTIME if mtime is None else wire.ns_field(mtime)
+        return 2**64 - 1 if mtime is None else max(0, int(mtime))
+
+    def record(kind: bytes, rel: str, mode: int = 0, mtime: float | None = None, data: bytes = b"",
                size: int | None = None) -> None:
         name = rel.encode(errors="surrogateescape")
-        stamp = 2**64 - 1 if mtime < 0 else int(mtime)
+        stamp = stamp_of(mtime)
         out.extend(kind + struct.pack(">I", len(name)) + name
                    + struct.pack(">IQQ", mode, stamp, len(data) if size is None else size) + data)
         if len(out) >= PUT_CHUNK:
@@ -1292,7 +1310,7 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None,
                 made.discard(rel)
                 dir_modes.pop(rel, None)
             if m.isdir():
-                dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, max(0, int(m.mtime)))
+                dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, m.mtime)
                 make_dirs(rel)
                 continue
             make_dirs(rel.rpartition("/")[0])
@@ -1300,7 +1318,7 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None,
                 if room is not None and m.size >= PUT_CHECK_BYTES:
                     flush()
                     room(m.size)
-                record(b"f", rel, m.mode & tarsafe.KEPT_MODE, max(0, int(m.mtime)), size=m.size)
+                record(b"f", rel, m.mode & tarsafe.KEPT_MODE, m.mtime, size=m.size)
                 src = tf.extractfile(m)
                 left = m.size
                 while left:
@@ -1312,7 +1330,7 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None,
                     if len(out) >= PUT_CHUNK:
                         flush()
             elif m.issym():
-                record(b"s", rel, 0, max(0, int(m.mtime)), m.linkname.encode(errors="surrogateescape"))
+                record(b"s", rel, 0, m.mtime, m.linkname.encode(errors="surrogateescape"))
             else:
                 record(b"h", rel, data=tarsafe.entry_name(m.linkname).encode(errors="surrogateescape"))
         tarsafe.check_end(tf)
@@ -1320,7 +1338,7 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None,
         pass
     # One the archive has no entry for gets 0755, as tar(1) and docker cp make it.
     for rel in sorted(made, key=lambda rel: -rel.count("/") - bool(rel)):
-        record(b"D", rel, *dir_modes.get(rel, (0o755, -1)))
+        record(b"D", rel, *dir_modes.get(rel, (0o755, None)))
     record(b"E", "")
     flush(eof=True)
     return seen

@@ -113,7 +113,7 @@ def dir_entries(seen: tarsafe.Seen, budget: int) -> list[list] | None:
 def _extract_into(pfd: int, tmp: str, fileobj, seen: tarsafe.Seen, fill) -> dict:
     fileobj = _Head(fileobj)
     topfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
-    dir_modes: dict[str, tuple[int, float]] = {"": (0o755, -1.0)}
+    dir_modes: dict[str, tuple[int, float | None]] = {"": (0o755, None)}   # None: keeps its own mtime
     made = {""}
     try:
         with tarfile.open(fileobj=fileobj, mode="r|", errorlevel=2, tarinfo=tarsafe.Member) as tf:
@@ -137,7 +137,7 @@ def _extract_into(pfd: int, tmp: str, fileobj, seen: tarsafe.Seen, fill) -> dict
         # Last, deepest first: a read-only directory must not stop what goes in it.
         # One the archive has no entry for gets 0755, as tar(1) and docker cp make it.
         for rel in sorted(made, key=lambda rel: -rel.count("/") - bool(rel)):
-            _set_dir(topfd, rel, *dir_modes.get(rel, (0o755, -1.0)))
+            _set_dir(topfd, rel, *dir_modes.get(rel, (0o755, None)))
     except tarsafe.Refused as err:
         raise PathError(str(err)) from err
     except (tarfile.TarError, EOFError) as err:
@@ -209,11 +209,11 @@ def _extract_one(topfd: int, rel: str, m: tarfile.TarInfo, tf: tarfile.TarFile, 
         os.close(dfd)
 
 
-def _set_dir(topfd: int, rel: str, mode: int, mtime: float) -> None:
+def _set_dir(topfd: int, rel: str, mode: int, mtime: float | None) -> None:
     fd = os.dup(topfd) if not rel else native.openat2(topfd, rel, os.O_RDONLY | os.O_DIRECTORY, 0, BENEATH)
     try:
         os.fchmod(fd, mode)
-        if mtime >= 0:
+        if mtime is not None:         # an entry's, before 1970 too
             os.utime(fd, ns=(int(mtime * 1e9),) * 2)
     finally:
         os.close(fd)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import tarfile
 import threading
 import time
 
@@ -311,6 +312,44 @@ def test_mtimes_before_1970_and_below_a_second_read_back_as_set(box):
         assert {name: sb.stat(f"/work/times/{name}")["mtime"] for name in want} == want
     finally:
         sb.remove("/work/times", recursive=True)
+
+
+def _mtime_of(seconds: float) -> float:
+    """st_mtime of a file whose mtime was set from `seconds` (os.utime's ns)."""
+    sec, nsec = divmod(int(seconds * 1e9), 10**9)
+    return sec + nsec * 1e-9
+
+
+def test_mtimes_before_1970_and_below_a_second_go_through_copies_both_ways(box, daemon):
+    """A pax tar's mtimes, before 1970 and fractional, are what the copy in
+    sets (a microVM's agent took whole seconds, one before 1970 as 0, and a
+    container kept its own mtime for a directory entry's before 1970); a
+    copy out stores whole seconds (toward zero, as int(st_mtime)), those
+    before 1970 too (a microVM's tar said 0); file_set_attrs sets one too."""
+    _, sb, _, _ = box
+    spool = io.BytesIO()
+    with tarfile.open(fileobj=spool, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, kind, mtime in (("d", tarfile.DIRTYPE, -1000), ("d/old", tarfile.REGTYPE, -100.25),
+                                  ("d/new", tarfile.REGTYPE, 1600000000.5), ("d/ln", tarfile.SYMTYPE, -50)):
+            m = tarfile.TarInfo(name)
+            m.type, m.mtime, m.mode = kind, mtime, 0o755 if kind == tarfile.DIRTYPE else 0o644
+            if kind == tarfile.SYMTYPE:
+                m.linkname = "old"
+            m.size = 1 if kind == tarfile.REGTYPE else 0
+            tf.addfile(m, io.BytesIO(b"x") if kind == tarfile.REGTYPE else None)
+    sb.upload_tar(spool.getvalue(), "/work/copied")
+    try:
+        got = {e["name"]: e["mtime"] for e in sb.list_files("/work/copied", depth=2)}
+        assert got == {"d": -1000.0, "d/old": _mtime_of(-100.25), "d/new": _mtime_of(1600000000.5),
+                       "d/ln": -50.0}, got
+        r = daemon.cli("cp", f"{sb.id}:/work/copied/.", "-")
+        assert r.returncode == 0, r.stderr
+        out = {m.name.removeprefix("./"): m.mtime for m in tarfile.open(fileobj=io.BytesIO(r.stdout))}
+        assert {k: out[k] for k in got} == {"d": -1000, "d/old": -100, "d/new": 1600000000, "d/ln": -50}, out
+        sb.set_attrs("/work/copied/d/new", mtime=-12.5)
+        assert sb.stat("/work/copied/d/new")["mtime"] == -12.5
+    finally:
+        sb.remove("/work/copied", recursive=True)
 
 
 def test_a_symlinks_stat_gives_its_target_and_follows_on_request(box, daemon, tmp_path):

@@ -53,6 +53,13 @@ ATTRS_AGENT_VERSION = 7
 # the flag: a follow is refused (engine/files.py).
 STAT_AGENT_VERSION = 8
 STAT_FOLLOW = 1
+# The version from which mtimes before 1970 and below a second go both ways:
+# a tar's (a copy out, a snapshot) in a pax record, SETATTR's signed, and a
+# put told "ns" (its argv's last word) takes its records' mtimes as signed
+# nanoseconds (PUT_NO_MTIME: none); an older one would take a negative one
+# as a time past 2262 or as none: such a request is refused or clamped.
+TIMES_AGENT_VERSION = 9
+PUT_NO_MTIME = 1 << 63
 TRACE_FD = 3
 WRITE_APPEND, WRITE_KEEP, WRITE_PARENTS = 1, 2, 4
 RENAME_OVERWRITE, RENAME_KEEP_ATTRS = 1, 2
@@ -78,6 +85,13 @@ def check_length(length: int, kind: int, msg_id: int) -> int:
 
 def u64(v: int) -> bytes:
     return struct.pack(">Q", v)
+
+
+def ns_field(seconds: float) -> int:
+    """An mtime in seconds as the agent takes it: its nanoseconds (as the
+    container backend's os.utime gets them, int(seconds * 1e9)) in a u64,
+    two's complement before 1970."""
+    return int(seconds * 1e9) & (2**64 - 1)
 
 
 def bstr(v: bytes | str) -> bytes:
