@@ -172,13 +172,17 @@ enum {
  * 9: times before 1970 and below a second: a tar's mtime before 1970 in a
  * pax record (was 0), M_SETATTR's mtime signed, and a put told "ns" in its
  * argv takes its records' mtimes as signed nanoseconds (the host sends a
- * negative mtime to no older agent, nor "ns": one would take it as none). */
-#define AGENT_VERSION 9
+ * negative mtime to no older agent, nor "ns": one would take it as none).
+ * 10: M_TAR sends xattrs of any size, and a copied-up file's user.* ones
+ * from the image (what the host unpacks is the same as before). */
+#define AGENT_VERSION 10
 #define MAX_LIST 100000
 
 static int chan = -1;   /* the virtio-serial port */
 static int rootfd = -1; /* O_PATH of the sandbox root, for openat2 */
 static int upperfd = -1; /* the overlay's upper dir (out of the sandbox's view after the switch), for M_TAR */
+static int layerfds[64];  /* the image's layers, bottom first (out of view too), for M_TAR: tar_origin_xattrs */
+static int nlayerfds;
 /* The cgroup every process the agent starts joins (all the guest's processes
  * but the agent), in a cgroup2 mount of the initramfs (out of the sandbox's
  * view after the switch): its cgroup.procs, cgroup.freeze and cgroup.events,
@@ -3061,24 +3065,113 @@ static int tar_xattr_kept(const char *x)
     return !strncmp(x, "user.", 5) || !strncmp(x, "trusted.", 8) || !strcmp(x, "security.capability");
 }
 
+/* The names of fd's xattrs (NUL-separated, *len bytes in all), malloc'ed;
+ * NULL with *len 0 when it has none or they cannot be read. Sized by the
+ * kernel, not by a buffer of ours: a list or value past one was dropped. */
+static char *xattr_names(int fd, ssize_t *len)
+{
+    for (int tries = 0; tries < 4; tries++) {
+        ssize_t n = flistxattr(fd, NULL, 0);
+        char *names = n > 0 ? malloc((size_t)n) : NULL;
+
+        if (!names)
+            break;
+        *len = flistxattr(fd, names, (size_t)n);
+        if (*len > 0)
+            return names;
+        free(names);
+        if (*len == 0 || errno != ERANGE) /* ERANGE: one was added meanwhile */
+            break;
+    }
+    *len = 0;
+    return NULL;
+}
+
+/* Xattr `x` of fd as a pax record SCHILY.xattr.<x>; 0, or -1 if unreadable. */
+static int pax_xattr(int fd, const char *x, struct buf *pax)
+{
+    ssize_t n = fgetxattr(fd, x, NULL, 0);
+    char *val = n >= 0 ? malloc((size_t)n + 1) : NULL, key[300];
+
+    if (!val || (n = fgetxattr(fd, x, val, (size_t)n)) < 0) {
+        free(val);
+        return -1;
+    }
+    snprintf(key, sizeof(key), "SCHILY.xattr.%s", x);
+    pax_record(pax, key, val, (size_t)n);
+    free(val);
+    return 0;
+}
+
 /* The xattrs that go along, as pax records (SCHILY.xattr.<name>). */
 static void tar_xattrs(int fd, struct buf *pax)
 {
-    char names[4096], val[4096];
-    ssize_t n = flistxattr(fd, names, sizeof(names));
+    ssize_t n;
+    char *names = xattr_names(fd, &n);
 
-    for (ssize_t at = 0; n > 0 && at < n; at += (ssize_t)strlen(names + at) + 1) {
-        const char *x = names + at;
-        char key[300];
+    for (ssize_t at = 0; at < n; at += (ssize_t)strlen(names + at) + 1)
+        if (tar_xattr_kept(names + at))
+            pax_xattr(fd, names + at, pax);
+    free(names);
+}
 
-        if (!tar_xattr_kept(x))
-            continue;
-        ssize_t v = fgetxattr(fd, x, val, sizeof(val));
-        if (v < 0)
-            continue;
-        snprintf(key, sizeof(key), "SCHILY.xattr.%s", x);
-        pax_record(pax, key, val, (size_t)v);
+/* The user.* xattrs of the image's file or directory that `rel` of the
+ * writable layer was copied up from, as pax records. The guest's upper is
+ * a tmpfs, which in this kernel (before 6.6) holds no user.* xattrs:
+ * overlayfs drops them at the copy-up (a chmod, a write, a touch of a file
+ * of the image) where a container's upper keeps them, and nothing in the
+ * guest can set, change or remove one. So the image's are still the
+ * file's own, and its snapshot's layer gets them as a container's would.
+ * Copied up, not made anew: overlayfs marks a copy-up with
+ * trusted.overlay.origin, the lower inode's file handle (EROFS's: its
+ * 32-bit inode number, type FILEID_INO32_GEN). The file the path names in
+ * the topmost layer holding it, if it is that inode; else (renamed since)
+ * in an image of one layer the inode the handle opens there. Every layer's
+ * EROFS has the same (null) uuid, so with several the handle does not say
+ * which layer: a renamed file of such an image gets none, rather than
+ * those of another layer's inode of the same number. */
+static void tar_origin_xattrs(int fd, const char *rel, mode_t type, struct buf *pax)
+{
+    /* struct ovl_fb: version, magic 0xfb, len, flags, type, uuid[16], fid */
+    unsigned char fh[64];
+    ssize_t n = fgetxattr(fd, "trusted.overlay.origin", fh, sizeof(fh));
+    struct {
+        uint64_t flags, mode, resolve;
+    } how = {.flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS};
+    uint32_t ino;
+    int lfd = -1;
+    struct stat lst;
+
+    if (n != 21 + 8 || fh[1] != 0xfb || fh[2] != n || fh[4] != 1 /* FILEID_INO32_GEN: ino, generation */)
+        return;
+    memcpy(&ino, fh + 21, sizeof(ino));
+    for (int i = nlayerfds - 1; i >= 0 && lfd < 0; i--)
+        lfd = (int)syscall(__NR_openat2, layerfds[i], rel, &how, sizeof(how));
+    if (lfd >= 0 && (fstat(lfd, &lst) < 0 || (uint32_t)lst.st_ino != ino)) {
+        close(lfd);
+        lfd = -1;
     }
+    if (lfd < 0 && nlayerfds == 1) {
+        struct {
+            struct file_handle h;
+            unsigned char fid[8];
+        } handle = {.h = {.handle_bytes = 8, .handle_type = 1}};
+
+        memcpy(handle.h.f_handle, fh + 21, 8);
+        lfd = open_by_handle_at(layerfds[0], &handle.h, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    }
+    if (lfd < 0)
+        return;
+    if (fstat(lfd, &lst) == 0 && (uint32_t)lst.st_ino == ino && (lst.st_mode & S_IFMT) == type) {
+        ssize_t len;
+        char *names = xattr_names(lfd, &len);
+
+        for (ssize_t at = 0; at < len; at += (ssize_t)strlen(names + at) + 1)
+            if (!strncmp(names + at, "user.", 5))
+                pax_xattr(lfd, names + at, pax);
+        free(names);
+    }
+    close(lfd);
 }
 
 static int tar_tree(struct tarw *t, int dfd, const char *prefix);
@@ -3172,6 +3265,7 @@ static int tar_entry(struct tarw *t, int dfd, const char *name, const char *rel)
             return -1;
         }
         tar_xattrs(fd, &pax);
+        tar_origin_xattrs(fd, rel, st.st_mode & S_IFMT, &pax);
     }
     if (S_ISDIR(st.st_mode)) {
         char dname[4098];
@@ -4438,12 +4532,17 @@ static void mount_root(void)
     for (int i = 0; i < nlayers; i++) {
         char dev[64], dir[64];
 
-        snprintf(dev, sizeof(dev), "/dev/%s", devs[i]);
+        snprintf(dev, sizeof(dev), "/dev/%.15s", devs[i]); /* (a devs[] name is at most 15) */
         snprintf(dir, sizeof(dir), "/layers/%d", i);
         mkdir(dir, 0755);
         if (mount(dev, dir, "erofs", MS_RDONLY | MS_NODEV, "dax=always") < 0 &&
             mount(dev, dir, "erofs", MS_RDONLY | MS_NODEV, NULL) < 0)
             die(dev);
+        /* not O_PATH: open_by_handle_at takes no O_PATH fd for its mount (EBADF) */
+        layerfds[i] = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (layerfds[i] < 0)
+            die(dir);
+        nlayerfds = i + 1;
         /* overlay's lowerdir: top first, so layer N-1 leads */
         char tmpl[4096];
         snprintf(tmpl, sizeof(tmpl), "%s%s%s", dir, lower[0] ? ":" : "", lower);

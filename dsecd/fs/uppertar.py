@@ -8,7 +8,9 @@ directories, regular files, symlinks, FIFOs, overlay whiteouts (0:0
 character devices), hard links (each further name of a file, FIFO or
 symlink, as a link to its first name), and as pax records the xattrs
 trusted.overlay.opaque (opaque directories), user.*, trusted.* (but
-overlayfs's own) and security.capability. Unpacked here as root into a
+overlayfs's own) and security.capability, of any size (the guest's tmpfs
+holds no user.*: the agent sends those of the image's file a copied-up one
+came from, agent.c tar_origin_xattrs). Unpacked here as root into a
 fresh private directory, with owners, modes (setuid and setgid kept: an
 image layer's files are what the guest made), mtimes, those xattrs and the
 links (one inode, its link count), so that erofs.build copies whiteouts,

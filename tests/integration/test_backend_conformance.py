@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import shutil
 import tarfile
 import threading
 import time
@@ -23,6 +24,7 @@ import time
 import pytest
 from conftest import skip_unless_microvm
 
+from dsecd import native
 from dsecd.errors import DsecError, NotFound
 
 # Its VMs start from the run's templates (conftest.VM_TEMPLATES): none of its tests is about how one is built.
@@ -489,6 +491,47 @@ def test_snapshot_packs_the_writable_layer(box):
         other.destroy()
         c.request("image_rm", name=name)
     sb.exec(["rm", "-r", "/work/snap"])
+
+
+def test_a_snapshot_keeps_the_user_xattrs_of_image_files_the_sandbox_changed(box, daemon, busybox_rootfs,
+                                                                              tmp_path):
+    """A file or directory of the image that the sandbox changes (chmod,
+    touch, a write in place, a rename) is copied up with its user.* xattrs
+    in a container; a microVM's upper (a tmpfs of a guest kernel before 6.6)
+    holds none, so overlayfs dropped them there and its snapshot lost them.
+    The agent gives the copied-up file the image's (nothing in the guest can
+    set or remove one); a file made anew has none."""
+    c, _, backend, _ = box
+    root = tmp_path / "root"
+    shutil.copytree(busybox_rootfs, root, symlinks=True)
+    (root / "x").mkdir()
+    for name, value in (("chmodded", b"a"), ("written", b"w" * 1000), ("renamed", b"r"), ("replaced", b"p"),
+                        ("untouched", b"u")):
+        (root / "x" / name).write_bytes(b"data\n")
+        os.setxattr(root / "x" / name, "user.note", value)
+    os.setxattr(root / "x", "user.dir", b"d")
+    image, snap = f"conformance-ux-{backend}", f"conformance-ux-snap-{backend}"
+    c.import_image(str(root), image)
+    sb = c.create(image, backend=backend, memory="256M", net="none", disk="64M")
+    try:
+        r = sb.exec(["sh", "-c", "cd /x && chmod 600 chmodded && echo more >> written && mv renamed moved "
+                                 "&& rm replaced && echo new > replaced && touch ."])
+        assert r.exit_code == 0, r
+        layer = sb.snapshot(snap)["layers"][-1]["digest"]
+    finally:
+        sb.destroy(force=True)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    native.mount_erofs(str(daemon.state / "store" / "blobs" / "sha256" / layer.split(":", 1)[1]), str(mnt))
+    try:
+        got = {p.name: {k: os.getxattr(p, k) for k in os.listxattr(p) if k.startswith("user.")}
+               for p in (mnt / "x", *sorted((mnt / "x").iterdir())) if not p.is_char_device()}
+    finally:
+        native.umount(str(mnt))
+        for name in (snap, image):
+            c.request("image_rm", name=name)
+    assert got == {"x": {"user.dir": b"d"}, "chmodded": {"user.note": b"a"},
+                   "written": {"user.note": b"w" * 1000}, "moved": {"user.note": b"r"}, "replaced": {}}, got
 
 
 def test_lease_renewed_then_expired(box):
