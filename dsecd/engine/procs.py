@@ -752,6 +752,11 @@ class ProcessService:
                 for name in ("stdout", "stderr"):
                     if proc.fds[name] >= 0:
                         loop.remove_reader(proc.fds[name])
+                if proc._grace is not None:
+                    # An exited process's read-on (draining) is the next
+                    # daemon's now: its end must not tell followers the
+                    # output is over while the rest waits in the pipe.
+                    proc._grace.cancel()
         self._seats_moved = asyncio.Event()
         deadline = loop.time() + timeout
         try:

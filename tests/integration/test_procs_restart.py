@@ -190,6 +190,7 @@ class _Follow:
         self.sock.settimeout(60)
         self.sock.connect(socket_path)
         self.got = 0                    # the offset past the last byte that came
+        self.ended = False              # the request's answer came: the output is over
         self._send({"id": 0, "op": "hello", "args": {"protocol": protocol.PROTOCOL_VERSION, "client": "test"}})
         assert "result" in self._recv()
         self._send({"id": 1, "op": "proc_logs", "args": {"sandbox": sandbox, "pid": pid, "follow": True}})
@@ -218,8 +219,45 @@ class _Follow:
             frame = self._recv()
             if frame is None:
                 return
+            if frame.get("id") == 1 and ("result" in frame or "error" in frame):
+                self.ended = True
             stream = frame.get("stream") or {}
             self.got += stream.get("dropped", 0) + len(stream.get("data", b""))
+
+
+def test_a_follower_of_a_process_draining_at_a_clean_stop_is_not_told_it_is_over(daemon_factory,
+                                                                                  busybox_rootfs):
+    """A process that exited while a child of it holds its stdout is read on
+    for limits.exec_drain_grace_s. When that read-on ended while a clean stop
+    waited for a slow follower, the follower was answered that the output was
+    over, though the rest (left in the pipe for the next daemon) was still to
+    come. The stop leaves the read-on to the next daemon: the follower's
+    connection just closes, and it follows on there."""
+    d = daemon_factory('[limits]\nproc_output_bytes = "8M"\nexec_drain_grace_s = 1\n')
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox", memory="128M")
+    size = 3_000_000
+    proc = sb.spawn(f"yes 0123456789abcdefghijklmnopqrstuvwxyz | head -c {size}; (sleep 3; echo tail) & exit 0",
+                    stdin=False)
+    follow = _Follow(d.socket, sb.id, proc.pid)
+    follow.read(until=1)
+    assert proc.wait().exit_code == 0       # the read-on's second starts
+    _wait_for_output(proc, size)
+    c.close()
+    try:
+        d.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.5)                     # the stop waits for the follower past the read-on's end
+        follow.read()
+    finally:
+        follow.sock.close()
+    assert follow.got == size and not follow.ended
+    d.stop()
+    d.start()
+    c = d.client()
+    text = b"".join(ch.data for ch in c.get(sb.id).process(proc.pid).output(follow=True))
+    assert len(text) == size + len(b"tail\n") and text.endswith(b"tail\n")
+    c.close()
 
 
 def test_a_clean_stop_sends_a_follower_all_it_read_first(daemon_factory, busybox_rootfs):
