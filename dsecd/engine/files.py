@@ -16,6 +16,7 @@ import functools
 import logging
 import math
 import os
+import stat
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -178,6 +179,11 @@ class FileService:
             if req.offset is not None:
                 os.lseek(fd, req.offset, os.SEEK_SET)        # the copier writes from the fd's position
             await self._write_data(self.registry.get(req.sandbox, req), fd, req.data, f"{req.sandbox}:{req.path}")
+            if req.data and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                # The copier's write cleared them (the kernel does at a write
+                # by a process without CAP_FSETID over the file); the write is
+                # the sandbox root's, whose writes keep them.
+                os.fchmod(fd, stat.S_IMODE(st.st_mode))
             return {"size": os.fstat(fd).st_size, "file": file_id}
         finally:
             os.close(fd)

@@ -298,6 +298,25 @@ def test_files(box):
     assert sb.remove("/work/conf", recursive=True)["removed"] == 4
 
 
+def test_a_written_file_keeps_the_setuid_and_setgid_bits_asked_for(box):
+    """A container's file data is written by the sandbox's copier, and the
+    kernel clears setuid and setgid at a write by a process without
+    CAP_FSETID over the file: write_file(mode=0o4755) with data made an
+    0o755 file, where a microVM's kept the bits. The write is the sandbox
+    root's, which keeps them; so does a later chunk's, and a write_at."""
+    _, sb, _, _ = box
+    sb.write_file("/work/suid", b"x" * 100, mode=0o4755, atomic=False)
+    sb.write_file("/work/sgid", os.urandom(6 << 20), mode=0o2755)       # atomic, past one chunk
+    sb.write_at("/work/suid", 0, b"y")
+    try:
+        assert sb.stat("/work/suid")["mode"] & 0o7777 == 0o4755
+        assert sb.stat("/work/sgid")["mode"] & 0o7777 == 0o2755
+        assert sb.exec(["sh", "-c", "[ -u /work/suid ] && [ -g /work/sgid ]"]).exit_code == 0
+    finally:
+        sb.remove("/work/suid")
+        sb.remove("/work/sgid")
+
+
 def test_mtimes_before_1970_and_below_a_second_read_back_as_set(box):
     """stat and list_files give the file's mtime as os.stat's st_mtime gives
     it: one before 1970 is negative (a VM's read as 2^64 ns less, some year
