@@ -28,6 +28,7 @@ meanwhile.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tarfile
@@ -174,7 +175,23 @@ def _attributes(path: Path, m: tarfile.TarInfo) -> None:
             continue
         name = key[len(XATTR_PREFIX):]
         if xattr_kept(name):
-            os.setxattr(path, name, value.encode("utf-8", "surrogateescape"), follow_symlinks=False)
+            _set_xattr(path, name, value.encode("utf-8", "surrogateescape"))
     os.chmod(path, m.mode & MODE_BITS)
     if not m.isdir():
         os.utime(path, (m.mtime, m.mtime))
+
+
+def _set_xattr(path: Path, name: str, value: bytes) -> None:
+    """One xattr of an entry. ENOSPC here is mostly the file system's room
+    for one file's xattrs (ext4: about one block, unless ea_inode) rather
+    than a full disk: the error says which xattr did not fit and what to do."""
+    try:
+        os.setxattr(path, name, value, follow_symlinks=False)
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        raise OSError(errno.ENOSPC, f"xattr {name} of {len(value)} bytes does not fit on the scratch file "
+                      "system: it is full, or (ext4 holds about one block of xattrs per file) the file's "
+                      "xattrs are too large for it; leave the file out of the snapshot (`dsec snapshot "
+                      "--exclude PATH`), or put daemon.state_dir on a file system that holds larger xattrs "
+                      "(xfs, or ext4 with ea_inode)", str(path)) from err

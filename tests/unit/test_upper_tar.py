@@ -3,6 +3,7 @@ unpacked into the directory the layer builder reads."""
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import stat
@@ -89,6 +90,27 @@ def test_the_xattrs_a_layer_keeps(tmp_path):
     dest, _ = _unpack(tmp_path, [_entry("./", tarfile.DIRTYPE, mode=0o755), (m, b"")])
     assert sorted(os.listxattr(dest / "d")) == ["trusted.overlay.opaque", "trusted.t", "user.a"]
     assert os.getxattr(dest / "d", "trusted.t") == b"tt"
+
+
+def test_an_xattr_the_file_system_has_no_room_for_says_which_and_what_to_do(tmp_path, monkeypatch):
+    """ext4 holds about one block of xattrs per file: a larger one fails with
+    ENOSPC, which read as a full disk. The error names the xattr, its size
+    and the ways round it."""
+    real = os.setxattr
+
+    def no_room(path, name, value, *args, **kwargs):
+        if name == "user.big":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, name, value, *args, **kwargs)
+
+    monkeypatch.setattr(uppertar.os, "setxattr", no_room)
+    m, data = _entry("f", tarfile.REGTYPE, b"x")
+    m.pax_headers = {"SCHILY.xattr.user.big": "v" * 5000}
+    with pytest.raises(OSError) as got:
+        _unpack(tmp_path, [_entry("./", tarfile.DIRTYPE, mode=0o755), (m, data)])
+    assert got.value.errno == errno.ENOSPC
+    assert "xattr user.big of 5000 bytes" in got.value.strerror and "--exclude" in got.value.strerror
+    assert got.value.filename.endswith("/f")
 
 
 def test_a_files_zeros_are_holes_in_the_unpacked_tree(tmp_path):
