@@ -22,6 +22,7 @@ import tarfile
 import threading
 
 from . import tarsafe
+from .fs import libc
 
 READ = 1 << 20
 
@@ -119,7 +120,13 @@ def unpack(src, dst: str, max_entries: int = 10**7, max_bytes: int = 1 << 62,
         if "" not in dir_modes:
             os.chmod(tmp, 0o755)
         _check_stop(stop)
-        os.rename(tmp, dst)
+        try:
+            # Not a plain rename: it would replace an empty directory made at
+            # `dst` since the check above.
+            libc.rename_noreplace(libc.AT_FDCWD, tmp, libc.AT_FDCWD, dst)
+        except FileExistsError:
+            raise LocalCopyError(f"{dst} exists (made while the copy ran); remove it first or copy to a "
+                                 "new path") from None
     except BaseException:
         remove_tree(tmp)        # its directories have the archive's modes by the end
         raise

@@ -35,6 +35,7 @@ IN_NONBLOCK = os.O_NONBLOCK
 IN_CLOEXEC = os.O_CLOEXEC
 
 RENAME_NOREPLACE = 1
+AT_FDCWD = -100          # <fcntl.h>: a path relative to the working directory
 
 
 def _check(ret: int, what: str, obj: str = "") -> int:

@@ -185,9 +185,10 @@ def test_a_failed_copy_out_leaves_no_temporary_directory_for_a_non_root_user(tmp
         (base / "copy.tar").write_bytes(buf.getvalue())
         _as_a_user(base, f"import errno, os\n"
                          f"from dsecd import localcopy\n"
+                         f"from dsecd.fs import libc\n"
                          f"def refused(*_args):\n"
                          f"    raise OSError(errno.EXDEV, 'refused by the test')\n"
-                         f"os.rename = refused\n"
+                         f"libc.rename_noreplace = refused\n"
                          f"try:\n"
                          f"    localcopy.unpack(open({str(base / 'copy.tar')!r}, 'rb'), {str(base / 'copy')!r})\n"
                          f"except OSError as err:\n"
@@ -237,6 +238,33 @@ class _FakeSandbox:
 
 class _Listing(list):
     truncated = False
+
+
+def test_a_copy_out_does_not_replace_an_empty_directory_made_while_it_ran(tmp_path, monkeypatch):
+    """localcopy.unpack checks that its destination is free, extracts beside
+    it, then moves the whole into place: a plain rename there replaced an
+    empty directory made at the destination meanwhile."""
+    from dsecd import localcopy
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        info = tarfile.TarInfo("f")
+        info.size = 1
+        tf.addfile(info, io.BytesIO(b"f"))
+    buf.seek(0)
+    dst = tmp_path / "copy"
+    real = os.path.lexists
+
+    def made_meanwhile(path):
+        if str(path) == str(dst):
+            dst.mkdir(exist_ok=True)        # someone makes it just after the check
+            return False
+        return real(path)
+
+    monkeypatch.setattr(localcopy.os.path, "lexists", made_meanwhile)
+    with pytest.raises(localcopy.LocalCopyError, match="exists"):
+        localcopy.unpack(buf, str(dst))
+    assert os.listdir(dst) == [] and sorted(os.listdir(tmp_path)) == ["copy"]
 
 
 def test_directories_merged_into_take_their_entries_mode_and_mtime_once_the_landing_is_gone(tmp_path):
