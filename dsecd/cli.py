@@ -322,7 +322,9 @@ class _ProgressBar:
     def __call__(self, p: dict) -> None:
         if not self.enabled:
             return
-        if p.get("step") == "unpack":
+        if p.get("step") == "queued":
+            text = f"waiting: images.max_flattens ({p['max']}) flattens already running"
+        elif p.get("step") == "unpack":
             text = f"unpacking layer {p['layer']}/{p['of']} ({p['entries']} entries)"
         elif p.get("step") == "merge":
             text = (f"merging layer {p['layer']}/{p['of']}: {p['entries']} entries, "

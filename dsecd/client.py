@@ -1465,7 +1465,9 @@ class Client:
         """Image `name` as one layer (its layers merged as a sandbox sees
         them), the same config: under `as_name` (new; its parent is `name`),
         or `name` itself moves to it. `progress` gets each event:
-        {"step": "merge", layer, of, entries, bytes}, then the pack's. Result:
+        {"step": "queued", max} while it waits for one of
+        images.max_flattens, {"step": "merge", layer, of, entries, bytes},
+        then the pack's. Result:
         the flat image, with `flattened` (the manifest and layer count it
         was made from) and `replaced`."""
         args = {"name": name, **({"as_name": as_name} if as_name else {})}

@@ -197,7 +197,6 @@ class ImageService:
         try:
             self.images = ImageStore(store, cfg.state_dir / "scratch", section["default_registry"])
             self.images.max_layer_bytes = cfg.size("images", "max_layer_bytes")
-            self.images.max_flattens = int(section["max_flattens"])
             # The most entries a client's directory copy (_read_as_client)
             # makes: as many as a directory copy into a sandbox may hold.
             self.max_copy_entries = int(cfg.section("limits")["max_tar_entries"])
@@ -219,6 +218,10 @@ class ImageService:
         if int(section["max_pulls"]) < 1:
             raise ConfigError(f"images.max_pulls must be at least 1, not {section['max_pulls']}")
         self._pull_slots = asyncio.Semaphore(int(section["max_pulls"]))
+        # Flattens at once: each writes the whole merged image into the
+        # scratch dir before mkfs.erofs packs it. More wait their turn.
+        self.max_flattens = int(section["max_flattens"])
+        self._flatten_slots = asyncio.Semaphore(self.max_flattens)
         self.image_mode = self._pick_mode(section["mode"])
         self.pager = self._make_pager(cfg) if self.image_mode == "lazy" else None
         self.eager_dir = cfg.state_dir / "eager"
@@ -501,15 +504,16 @@ class ImageService:
 
         return progress
 
-    async def _publishing_call(self, op: str, fn, *args) -> dict:
-        """fn(*args, cancelled) in a worker (_images_call), counted as image
-        op `op`, for work that ends by publishing an image's name: a cancel
-        sets `cancelled`, which fn looks at last just before it publishes,
-        so a cancelled request publishes nothing. The image, as answered."""
+    async def _publishing_call(self, op: str, fn, *args, slot: asyncio.Semaphore | None = None) -> dict:
+        """fn(*args, cancelled) in a worker (_images_call; once `slot` is
+        taken, if given), counted as image op `op`, for work that ends by
+        publishing an image's name: a cancel sets `cancelled`, which fn
+        looks at last just before it publishes, so a cancelled request
+        publishes nothing. The image, as answered."""
         cancelled = threading.Event()
         with count_image_op(op) as done:
             try:
-                image = await self._images_call(fn, *args, cancelled)
+                image = await self._images_call(fn, *args, cancelled, slot=slot, on_cancel=cancelled.set)
             except asyncio.CancelledError:
                 cancelled.set()
                 raise
@@ -700,9 +704,14 @@ class ImageService:
 
     async def flatten(self, req, ctx) -> dict:
         """An image as one layer (ImageStore.flatten), its progress streamed;
-        a cancel stops it short of publishing."""
+        at most images.max_flattens at once, the others waiting their turn
+        (told so: a `queued` progress step). A cancel stops it short of
+        publishing, or before it begins."""
+        progress = self._progress(ctx)
+        if self._flatten_slots.locked():
+            progress({"step": "queued", "max": self.max_flattens})
         return await self._publishing_call("flatten", self.images.flatten, req.name, req.as_name, self._mounted,
-                                           self._progress(ctx))
+                                           progress, slot=self._flatten_slots)
 
     @contextlib.contextmanager
     def _mounted(self, digests: list[str]):

@@ -122,11 +122,6 @@ class ImageStore:
         # root file system tarball) may unpack to, as for a pulled one
         # (images.max_layer_bytes; 0: no bound).
         self.max_layer_bytes = 0
-        # Flattens at once (images.max_flattens): each writes the whole merged
-        # image into the scratch dir before it is packed; more are refused.
-        self.max_flattens = 1
-        self._flattens = 0
-        self._flattens_lock = threading.Lock()
         # digest -> parsed manifest. Content-addressed, so never stale: every
         # create resolves its image, and need not re-read and re-hash the blob.
         self._manifests: dict[str, dict] = {}
@@ -711,24 +706,7 @@ class ImageStore:
             target, parent, made_from, replace = self.name_free(new_name), image.name, image.manifest, False
         else:
             target, parent, made_from, replace = image.name, image.parent, image.parent_manifest, True
-        with self._flatten_slot(image.name):
-            return self._flatten(image, target, parent, made_from, replace, mounted, progress, cancelled)
-
-    @contextlib.contextmanager
-    def _flatten_slot(self, name: str) -> Iterator[None]:
-        """One of images.max_flattens, for the with block; ImageError busy if all are taken."""
-        with self._flattens_lock:
-            if self._flattens >= self.max_flattens:
-                raise ImageError("busy", f"flatten of {name!r}: {self._flattens} flatten(s) already running, "
-                                 f"images.max_flattens ({self.max_flattens}); each writes the whole merged image "
-                                 f"into {self.scratch} first: retry once one has ended, or raise "
-                                 "images.max_flattens if the scratch disk has room for more")
-            self._flattens += 1
-        try:
-            yield
-        finally:
-            with self._flattens_lock:
-                self._flattens -= 1
+        return self._flatten(image, target, parent, made_from, replace, mounted, progress, cancelled)
 
     def _scratch_room(self) -> int:
         """Bytes the scratch dir's file system may still take: its free

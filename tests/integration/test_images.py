@@ -1,6 +1,7 @@
 """EROFS images: build, layers, dedup, names, gc, tarballs, and pack_diff snapshots."""
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import json
@@ -636,6 +637,39 @@ def test_a_chain_of_snapshots_flattens_to_one_layer_of_the_same_tree(images):
         c.flatten_image("no-such-image")
     r = d.cli("image", "flatten", "no-such-image")
     assert r.returncode == 1 and b"no image named 'no-such-image'" in r.stderr
+
+
+def test_flattens_past_max_flattens_wait_their_turn(daemon_factory, busybox_rootfs):
+    """images.max_flattens bounds the flattens that write into the scratch
+    dir at once; one more was refused `busy`, to be retried by hand. It now
+    waits for a slot, told so (a `queued` step), and a cancel while it waits
+    ends it with nothing run."""
+    d = daemon_factory("[images]\nmax_flattens = 1\n")
+    c = d.client()
+    c.build_image(busybox_rootfs, "base")
+    c.close()
+
+    async def go() -> tuple[list[dict], list[list[dict]]]:
+        async with dsecd.Client(d.socket) as ac:
+            seen: list[list[dict]] = [[], [], []]
+            first = asyncio.ensure_future(ac.flatten_image("base", "flat-a", progress=seen[0].append))
+            await asyncio.sleep(0)
+            second = asyncio.ensure_future(ac.flatten_image("base", "flat-b", progress=seen[1].append))
+            third = asyncio.ensure_future(ac.flatten_image("base", "flat-c", progress=seen[2].append))
+            while not seen[2] and not third.done():
+                await asyncio.sleep(0.01)
+            third.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await third
+            return list(await asyncio.gather(first, second)), seen
+
+    (a, b), seen = asyncio.run(go())
+    assert (a["name"], b["name"]) == ("flat-a", "flat-b") and a["manifest"] == b["manifest"]
+    queued = [[e for e in events if e["step"] == "queued"] for events in seen]
+    assert not queued[0] and queued[1] == [{"step": "queued", "max": 1}] and queued[2], seen
+    c = d.client()
+    assert "flat-c" not in {i["name"] for i in c.list_images()}
+    c.close()
 
 
 def test_parents_that_already_loop_are_read_and_shown_without_hanging(daemon_factory, busybox_rootfs, tmp_path):
