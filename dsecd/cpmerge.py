@@ -25,12 +25,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from .errors import DsecError, Unsupported
-from .fs.libc import rename_noreplace
+from .fs.libc import AT_FDCWD, rename_noreplace
 
 # Renames in flight at once when the moves go to a sandbox: each is one
 # request, and a tree re-copied over itself replaces every file.
 MOVES_IN_FLIGHT = 32
-AT_FDCWD = -100
 
 ListDir = Callable[[str], Awaitable[dict[str, bool]]]     # path -> {name: is a directory}
 
@@ -104,17 +103,26 @@ async def into_sandbox(sb, landing: str, dst: str, dirs: list | None = (),
             raise
         raise stopped(err, landing, dst, None, [], 0) from err
     done: list[Move] = []
-    for i in range(0, len(moves), MOVES_IN_FLIGHT):
-        batch = moves[i:i + MOVES_IN_FLIGHT]
-        results = await asyncio.gather(*(sb.rename(m.src, m.dst, overwrite=m.replace) for m in batch),
-                                       return_exceptions=True)
-        # Each move of the batch ran to its end: those that did not fail are in place.
-        done += [m for m, res in zip(batch, results, strict=True) if not isinstance(res, BaseException)]
-        for m, res in zip(batch, results, strict=True):
-            if _sandbox_failure(res):
-                raise stopped(res, landing, dst, m, done, len(moves)) from res
-            if isinstance(res, BaseException):
-                raise res
+    try:
+        for i in range(0, len(moves), MOVES_IN_FLIGHT):
+            batch = moves[i:i + MOVES_IN_FLIGHT]
+            results = await asyncio.gather(*(sb.rename(m.src, m.dst, overwrite=m.replace) for m in batch),
+                                           return_exceptions=True)
+            # Each move of the batch ran to its end: those that did not fail are in place.
+            done += [m for m, res in zip(batch, results, strict=True) if not isinstance(res, BaseException)]
+            for m, res in zip(batch, results, strict=True):
+                if _sandbox_failure(res):
+                    raise stopped(res, landing, dst, m, done, len(moves)) from res
+                if isinstance(res, BaseException):
+                    raise res
+    except asyncio.CancelledError:
+        # ^C (or SIGTERM) between or during the moves: what moved in stays,
+        # the caller removes the rest with the landing.
+        if note is not None and moves:
+            in_flight = min(MOVES_IN_FLIGHT, len(moves) - len(done))
+            note(f"cancelled while merging into {dst}: {_moved_in(done, len(moves))}, and up to "
+                 f"{in_flight} more whose moves were under way; the rest of the copy was not made")
+        raise
     await sb.remove(landing, recursive=True)
     if dirs is None and note is not None:
         note("the tar names more directories than one result lists: the existing directories keep their "
@@ -216,6 +224,17 @@ def _names(err: OSError | DsecError, path: str) -> bool:
 SHOWN_MOVES = 5     # names a failed merge lists of those that had moved in
 
 
+def _moved_in(done: list[Move], total: int) -> str:
+    """"2 of 7 names had moved in (/d/a, /d/b)": the changes a merge cut
+    short made, the first SHOWN_MOVES of them named."""
+    if not done:
+        return f"none of its {total} names had moved in"
+    names = ", ".join(m.dst for m in done[:SHOWN_MOVES]) + (", ..." if len(done) > SHOWN_MOVES else "")
+    replaced = sum(m.replace for m in done)
+    return (f"{len(done)} of {total} names had moved in ({names}"
+            + (f"; {replaced} of them replaced a file" if replaced else "") + ")")
+
+
 def stopped(err: OSError | DsecError, landing: str, dst: str, failed: Move | None, done: list[Move],
             total: int) -> OSError | DsecError:
     """`err`, which stopped a merge at the move `failed` (None: before any
@@ -236,13 +255,8 @@ def stopped(err: OSError | DsecError, landing: str, dst: str, failed: Move | Non
     if failed is None:
         text = f"copy into {dst} stopped: {reason}; nothing of {dst} was changed"
     else:
-        names = ", ".join(m.dst for m in done[:SHOWN_MOVES]) + (", ..." if len(done) > SHOWN_MOVES else "")
-        replaced = sum(m.replace for m in done)
-        text = (f"copy into {dst} stopped at {failed.dst}: {reason}; "
-                + (f"{len(done)} of {total} names had moved in ({names}"
-                   + (f"; {replaced} of them replaced a file" if replaced else "") + ")"
-                   if done else f"none of its {total} names had moved in")
-                + "; the rest of the copy was not made")
+        text = (f"copy into {dst} stopped at {failed.dst}: {reason}; {_moved_in(done, total)}; the rest of "
+                "the copy was not made")
     if isinstance(err, DsecError):
         out = type(err)(text, {**err.detail, "path": dst})
         out.code = err.code

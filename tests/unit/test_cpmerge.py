@@ -311,6 +311,35 @@ def test_a_put_with_too_many_directories_to_list_merges_and_says_they_keep_their
                      "their modes and mtimes"]
 
 
+def test_a_merge_cancelled_during_its_moves_says_what_had_moved_in(tmp_path):
+    """^C while the names move into the destination: those moved stay (the
+    caller removes the landing with the rest), and the note says which, and
+    how many more were under way, as a failed move's error does."""
+
+    class _Stuck(_FakeSandbox):
+        async def rename(self, src: str, dst: str, overwrite: bool = False):
+            if src.endswith("f39"):
+                await asyncio.Event().wait()        # never answered: the second batch hangs
+            await super().rename(src, dst, overwrite)
+
+    _tree(tmp_path / "dst", {".land": {f"f{n:02}": "x" for n in range(40)}})
+    notes: list[str] = []
+
+    async def go() -> None:
+        merge = asyncio.ensure_future(cpmerge.into_sandbox(_Stuck(tmp_path), "/dst/.land", "/dst", [],
+                                                           notes.append))
+        while len(os.listdir(tmp_path / "dst")) < 1 + 39:       # all but the stuck one moved in
+            await asyncio.sleep(0.01)
+        merge.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await merge
+
+    asyncio.run(go())
+    assert len(notes) == 1 and notes[0].startswith("cancelled while merging into /dst: 32 of 40 names had "
+                                                   "moved in (/dst/f00, /dst/f01, "), notes
+    assert "up to 8 more whose moves were under way" in notes[0], notes
+
+
 def test_a_connection_lost_under_the_moves_stays_the_error_it_was(tmp_path):
     """A lost connection is the client's own failure, which the CLI tells
     as such (`unreachable`): the merge does not make it another error.
