@@ -431,6 +431,15 @@ def lost_after_sending(op: str) -> str:
     return "; the request may have been carried out"
 
 
+def _made_key() -> str:
+    """An idempotency key for a create given none. The daemon answers a
+    create of a key it has seen with that key's sandbox, so the SDK may send
+    such a create again after losing its connection (a daemon restart, an
+    ssh:// link cut) without making a second sandbox; without a key, a
+    create whose answer was lost leaves a sandbox nobody knows the id of."""
+    return f"sdk-{secrets.token_hex(10)}"
+
+
 def _sent_or_not(op: str, sent: bool) -> str:
     """What a lost connection leaves open of `op`, for its error: whether
     it may have run (`sent`), or that it did not."""
@@ -1491,6 +1500,9 @@ class Client:
         publish: ports of the sandbox to make reachable from the host (Sandbox.get_host): 8080
         (TCP), "8080/tcp" or "5353/udp"; each on a host port the daemon picks.
         key: idempotency key; a retried create with the same key returns the same sandbox.
+        Without one the SDK makes one (see _made_key), so a create whose
+        answer a lost connection took is sent again once, and answered with
+        the sandbox it made, instead of leaving that sandbox to nobody.
         disk: size cap of the writable layer ("20G"; default sandbox.disk).
         backend: "container" or "microvm" (a QEMU guest per sandbox; default sandbox.backend).
         env, cwd, user: over the image's config (env merged; default: the
@@ -1505,12 +1517,28 @@ class Client:
             if not isinstance(network_rules, dict):
                 raise TypeError(f"network_rules must be a dict of rule -> bool, got {type(network_rules).__name__}")
             allow += [r for r, on in network_rules.items() if on and r not in allow]
+        made_key = key is None
+        if made_key:
+            key = _made_key()
         args = _given({"image": image, "env": string_map(env, "env", raw=True), "labels": string_map(labels, "labels"),
                        "allow": allow, **({"publish": [_publish_spec(p) for p in publish]} if publish else {})},
                       cwd=cwd, user=user, cpu=cpu, memory=memory, pids=pids, hostname=hostname, ttl=ttl,
                       idle_ttl=idle_ttl, lease=lease, qos=qos, cpu_quota=cpu_quota, net=net, key=key, disk=disk,
                       backend=backend, policy=policy)
-        info = _sandbox_info(await self.request("create", **args))
+        try:
+            info = _sandbox_info(await self.request("create", **args))
+        except ConnectionLost as err:
+            if not (made_key and err.sent):
+                raise
+            # Not sent again (no daemon answered in time, or lost again): the
+            # caller can only settle it with the key it never saw.
+            raise ConnectionLost(f"{err}; its key was {key!r}: a create of the same arguments with "
+                                 f"key={key!r} (dsec create --key) answers with the sandbox it made, if any",
+                                 target=err.target, op=err.op, sent=True) from None
+        if made_key:
+            # Its own key found again on a new connection: this create's
+            # sandbox, not an earlier create's.
+            info.pop("existing", None)
         return Sandbox(self, info["id"], info)
 
     def run_stream(self, image: str, args: list[str] | None = None, entrypoint: list[str] | str | None = None,

@@ -94,8 +94,9 @@ class ConnectionLost(ConnectionError):
 
     `sent` says whether the request had left the client: if it had, the
     daemon may have carried it out (a create may exist, an exec may have
-    run). A create with an idempotency `key` is safe to send again: the
-    daemon answers it with the sandbox the key made, if any. `target` is the
+    run). A create with its idempotency `key` (the caller's, or the one the
+    SDK made, which the message names) is safe to send again: the daemon
+    answers it with the sandbox the key made, if any. `target` is the
     daemon's socket path or ssh:// address, `op` the request's op."""
 
     def __init__(self, message: str, *, target: str = "", op: str = "", sent: bool = False):

@@ -155,6 +155,50 @@ def test_a_dropped_connection_fails_in_flight_requests_and_the_next_one_reconnec
     asyncio.run(go())
 
 
+def _relay_of(host) -> int:
+    """The pid of the one `dsec rpc --stdio` below `host`'s sshd (one client connected)."""
+    relays = []
+    for pid in descendants(host.sshd.pid):
+        with contextlib.suppress(FileNotFoundError):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if b"rpc" in argv and b"--stdio" in argv:
+                relays.append(pid)
+    assert len(relays) == 1, relays
+    return relays[0]
+
+
+def test_a_create_whose_ssh_link_drops_under_it_is_the_callers_not_nobodys(fleet_env):
+    """The link drops after the create left the client and before its
+    answer came back, and the host makes the sandbox all the same (the
+    relay passes on what it was sent, then its input ends). A create given
+    no key used to fail with ConnectionLost and leave that sandbox to
+    nobody; it goes again with the key the SDK gave it, and is answered
+    with the one sandbox the host made."""
+    host = fleet_env.hosts[0]
+
+    async def go():
+        async with dsecd.Client(host.target, ssh=fleet_env.ssh) as c:
+            relay = await asyncio.to_thread(_relay_of, host)
+            os.kill(relay, signal.SIGSTOP)
+            try:
+                create = asyncio.ensure_future(c.create(image="busybox", **SMALL))
+                await asyncio.sleep(1)      # through ssh and sshd, into the stopped relay's input
+                # The link drops: the session's sshd processes die, by pid.
+                for pid in descendants(host.sshd.pid):
+                    if pid != relay:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+            finally:
+                os.kill(relay, signal.SIGCONT)
+            sb = await asyncio.wait_for(create, 60)
+            assert "existing" not in sb.info
+            return sb
+
+    sb = asyncio.run(go())
+    assert [r["id"] for r in all_rows(fleet_env)] == [sb.id]
+
+
 def test_dsec_with_host_runs_the_commands_over_ssh(fleet_env, tmp_path):
     env = fleet_env.env()
 
@@ -483,7 +527,8 @@ def test_a_busy_host_is_passed_over_with_the_same_key(busybox_rootfs):
                 sb = await fleet.create("busybox", key="k-busy", **SMALL)
                 assert sb.host == "ssh://h2"
                 assert h1.busy_until > 0
-                assert [r["key"] for r in await h1.client.list()] == [None]
+                keys = [r["key"] for r in await h1.client.list()]     # only the local create's
+                assert len(keys) == 1 and keys[0] != "k-busy", keys
                 # Every host full: busy, with each host's reason.
                 sim.hosts[1].daemon.stop()
                 with pytest.raises(Busy) as e:

@@ -573,9 +573,9 @@ def test_a_request_that_changes_nothing_is_sent_again_after_a_restart(tmp_path):
 
 def test_a_create_with_an_idempotency_key_lost_in_a_restart_is_sent_again(tmp_path):
     """A create the old daemon had, with a key, is sent again to the new
-    one, which answers with what the key made; one without a key fails,
-    saying it may have been carried out."""
-    from dsecd import ConnectionLost
+    one, which answers with what the key made. One given no key has one
+    the SDK made, sent both times: it is the same create, and its sandbox
+    the caller's, not one left to nobody (nor `existing`: it is its own)."""
 
     def send(c):
         return [asyncio.create_task(c.create(image="busybox", key="job-7")),
@@ -583,8 +583,34 @@ def test_a_create_with_an_idempotency_key_lost_in_a_restart_is_sent_again(tmp_pa
 
     (keyed, plain), got = _two_requests_across_a_restart(
         str(tmp_path / "d.sock"), send, {"id": "5b1d", "state": "running", "existing": True})
-    assert keyed.id == "5b1d" and [f["args"].get("key") for nth, f in got if nth == 2] == ["job-7"]
-    assert isinstance(plain, ConnectionLost) and plain.sent and "may have been carried out" in str(plain)
+    assert keyed.id == "5b1d" and keyed.info["existing"] is True
+    made = [f["args"]["key"] for nth, f in got if f["args"].get("key") != "job-7"]
+    assert [nth for nth, f in got if f["args"].get("key") == "job-7"] == [1, 2]
+    assert len(made) == 2 and made[0] == made[1] and made[0].startswith("sdk-"), got
+    assert plain.id == "5b1d" and "existing" not in plain.info
+
+
+def test_a_create_given_no_key_names_the_one_it_was_sent_with_when_the_daemon_stays_away(tmp_path):
+    """Its caller never saw the key the SDK made: the error says it, so
+    that a create with it finds the sandbox the lost one may have made."""
+    from dsecd import ConnectionLost
+
+    path = str(tmp_path / "d.sock")
+    got: list[dict] = []
+    servers = []
+    daemon = _stand_in(path, servers, got, {"limits": {}}, goes_after=1)
+
+    async def go():
+        servers.append(await asyncio.start_unix_server(daemon, path))
+        async with Client(path, connect_timeout=0.5) as c:
+            with pytest.raises(ConnectionLost) as e:
+                await c.create(image="busybox")
+            return e.value
+
+    err = asyncio.run(go())
+    key = got[0]["args"]["key"]
+    assert err.sent and err.op == "create" and "may have been carried out" in str(err)
+    assert f"key={key!r}" in str(err) and "dsec create --key" in str(err), str(err)
 
 
 def test_a_keyed_create_sent_again_says_it_may_have_run_when_the_daemon_stays_away(tmp_path):
