@@ -652,6 +652,7 @@ class _Conn:
         self.follows: _Budget | None = None               # the slots following requests may take
         self.tails = False        # the daemon takes file_write data as a frame's tail (protocol.TAILED)
         self.garbled = False      # it ended on bytes that are not frames (said as such, not as ssh's end)
+        self.watchdog: asyncio.Task | None = None         # see Client._watch_silence
 
 
 class _Unsent(ConnectionLost):
@@ -734,6 +735,14 @@ class Client:
         self._undone_keys: dict[str, bool] = {}
         self.server: dict = {}
         self.max_frame = 16 << 20
+        # (interval s, count): with requests waiting, a ping after `interval`
+        # s of silence, and the connection given up after interval x count
+        # with nothing come (_watch_silence). Over ssh:// ssh's own keepalive
+        # settings: a connection shared through ControlMaster rides on a
+        # master that ssh's -o options never reach. None: no watch (a local
+        # socket does not stall).
+        self.keepalive: tuple[float, int] | None = (
+            (max(1, self.ssh.keepalive_s), max(1, self.ssh.keepalive_count)) if self.remote else None)
 
     def __repr__(self) -> str:
         return f"<Client {self.target}>"
@@ -809,6 +818,45 @@ class Client:
         conn.slots = _Budget(max(2, cap - CONTROL_SLOTS))
         conn.follows = _Budget(max(1, cap - CONTROL_SLOTS - SHORT_SLOTS))
         self._conn = conn
+        if self.keepalive is not None:
+            conn.watchdog = loop.create_task(self._watch_silence(conn, *self.keepalive))
+
+    async def _watch_silence(self, conn: _Conn, interval: float, count: int) -> None:
+        """Give `conn` up once requests wait on it and nothing came through
+        it for interval x count s, a ping sent after each `interval` of that
+        silence unanswered: a link that stalled, or a host that stopped
+        answering. ssh's ServerAliveInterval does this for its own
+        connection, but not for one shared through ControlMaster (the
+        master's keepalives are the master's settings; without them a
+        request waits for TCP to give up, or for ever when nothing is
+        being sent). Progress counts either way: bytes come (of a frame
+        complete or not), or our bytes still leave (an upload on a slow
+        link, which a ping waits behind)."""
+        loop = asyncio.get_running_loop()
+        transport = conn.writer.transport
+        quiet_since = loop.time()
+        unsent = transport.get_write_buffer_size()
+        while conn.lost is None and self._conn is conn:
+            await asyncio.sleep(interval)
+            now = loop.time()
+            left = transport.get_write_buffer_size()
+            if not conn.pending or left < unsent:
+                quiet_since = now                   # nothing waits, or ours still leaves
+            unsent = left
+            silent = now - max(quiet_since, self.last_frame_at)
+            if silent >= interval * count:
+                reason = (f"nothing came from {self.target} for {silent:.0f} s with requests waiting, "
+                          "pings unanswered: the link stalled or the host stopped answering; check that "
+                          "it is up and reachable (over a ControlMaster connection, the master's "
+                          "ServerAliveInterval applies, not ours)")
+                self.abort_now(reason)
+                if self.on_lost is not None:
+                    with contextlib.suppress(Exception):
+                        self.on_lost(reason)
+                return
+            if silent >= interval and not transport.is_closing():
+                # Its answer is no one's (no pending entry): it only makes bytes come.
+                transport.writelines(self._encode(conn, self.new_id(), "ping", {}))
 
     async def _hello(self, conn: _Conn) -> dict:
         args = {"protocol": protocol.PROTOCOL_VERSION, "client": self.name}
@@ -896,6 +944,8 @@ class Client:
         await self._drop(conn, grace=0)
 
     async def _drop(self, conn: _Conn, grace: float = remote.CLOSE_GRACE_S) -> None:
+        if conn.watchdog is not None:
+            conn.watchdog.cancel()
         conn.writer.close()
         with contextlib.suppress(ConnectionError, OSError):
             await conn.writer.wait_closed()

@@ -22,8 +22,11 @@ ms); neither matters next to the hours a connection lives.
 
 Keepalives: ssh's ServerAliveInterval/ServerAliveCountMax, so a host that
 stops answering ends the ssh process, hence the connection, within
-keepalive_s x keepalive_count seconds; dsecd.Fleet adds its own heartbeat on
-top for a bound of a few seconds.
+keepalive_s x keepalive_count seconds. Those options do not reach a master
+connection that ssh shares (ControlMaster): the Client watches the same
+window itself, pinging the daemon while requests wait in silence
+(Client._watch_silence). dsecd.Fleet adds its own heartbeat on top for a
+bound of a few seconds.
 """
 
 from __future__ import annotations

@@ -199,6 +199,50 @@ def test_a_create_whose_ssh_link_drops_under_it_is_the_callers_not_nobodys(fleet
     assert [r["id"] for r in all_rows(fleet_env)] == [sb.id]
 
 
+def test_a_link_cut_under_a_controlmaster_connection_fails_the_request_in_bounded_time(fleet_env, tmp_path):
+    """The client's ssh shares a master connection (ControlMaster, as the
+    README offers), started without keepalives, as a user's own `ssh -M`
+    would be. The link is cut under an exec: ssh's ServerAlive options
+    never reach the master, so ssh noticed nothing and the exec waited for
+    ever. The client's own pings find the silence: ConnectionLost within
+    keepalive interval x count, and the next request connects again."""
+    host = fleet_env.hosts[0]
+    control = fleet_env.tmp / "cm-%h"       # short: a unix socket's path
+    config = tmp_path / "ssh_config"
+    config.write_text(fleet_env.ssh_config.read_text().replace(
+        "    ControlMaster no\n    ControlPath none\n", f"    ControlMaster auto\n    ControlPath {control}\n"))
+    ssh = dataclasses.replace(fleet_env.ssh, config=str(config))
+    master = subprocess.Popen([*fleet_env.ssh_command(), "-F", str(config), "-M", "-N", "-o",
+                               "ServerAliveInterval=0", host.name],
+                              stdin=subprocess.DEVNULL, start_new_session=True)
+    socket_path = fleet_env.tmp / f"cm-{host.address}"
+
+    async def go():
+        async with dsecd.Client(host.target, ssh=ssh) as c:
+            sb = await c.create(image="busybox", **SMALL)
+            running = asyncio.ensure_future(sb.exec(["sleep", "300"]))
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(host.cut)
+            try:
+                with pytest.raises(ConnectionLost) as e:
+                    await asyncio.wait_for(running, 60)
+            finally:
+                await asyncio.to_thread(host.heal)
+            assert e.value.sent and "nothing came from ssh://h1" in str(e.value), str(e.value)
+            assert (await sb.exec(["echo", "again"])).stdout == b"again\n"
+
+    try:
+        deadline = time.monotonic() + 20
+        while not socket_path.exists():
+            assert master.poll() is None and time.monotonic() < deadline, "the ssh master did not start"
+            time.sleep(0.1)
+        asyncio.run(go())
+    finally:
+        kill_tree(master)
+        with contextlib.suppress(FileNotFoundError):
+            socket_path.unlink()
+
+
 def test_dsec_with_host_runs_the_commands_over_ssh(fleet_env, tmp_path):
     env = fleet_env.env()
 

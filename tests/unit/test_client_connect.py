@@ -724,3 +724,60 @@ def test_a_pause_or_resume_lost_in_a_restart_is_sent_again(tmp_path, op):
     (done, _killed), got = _two_requests_across_a_restart(str(tmp_path / "d.sock"), send,
                                                           {"id": "sb1", "state": "paused"})
     assert done == {"id": "sb1", "state": "paused"} and (2, op) in [(nth, f["op"]) for nth, f in got]
+
+
+def test_a_request_on_a_connection_gone_silent_fails_instead_of_waiting_for_ever(tmp_path):
+    """Nothing comes back, not even for the pings: a link that stalled
+    under an ssh connection shared through ControlMaster, whose keepalives
+    are the master's (none by default), so ssh itself never ends. The
+    request waited for ever; it fails after keepalive interval x count."""
+    from standin_kit import hello_then_hold
+
+    from dsecd import ConnectionLost
+
+    path = str(tmp_path / "d.sock")
+
+    async def go():
+        server = await asyncio.start_unix_server(hello_then_hold, path)
+        async with server:
+            c = Client(path)
+            c.keepalive = (0.1, 3)
+            async with c:
+                with pytest.raises(ConnectionLost) as e:
+                    await asyncio.wait_for(c.request("proc_kill", sandbox="s", pid=2), 10)
+                return e.value
+
+    err = asyncio.run(go())
+    assert err.sent and "nothing came from" in str(err) and "pings unanswered" in str(err), str(err)
+    assert "ControlMaster" in str(err) and "the next request connects again" in str(err)
+
+
+def test_a_quiet_request_whose_pings_are_answered_is_left_to_run(tmp_path):
+    """An exec that prints nothing for longer than the keepalive window is
+    no silence while the daemon answers the pings sent meanwhile."""
+    from standin_kit import serving
+
+    path = str(tmp_path / "d.sock")
+    pings = []
+
+    async def answer_pings_then_the_request(f: dict, writer) -> bool:
+        if f["op"] == "ping":
+            pings.append(f["id"])
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+            if len(pings) == 6:                 # past twice the window of 3 intervals
+                writer.write(protocol.encode_frame({"id": held[0], "result": {"done": True}}))
+        else:
+            held.append(f["id"])
+        return False
+
+    held: list[int] = []
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(answer_pings_then_the_request), path)
+        async with server:
+            c = Client(path)
+            c.keepalive = (0.1, 3)
+            async with c:
+                return await asyncio.wait_for(c.request("proc_kill", sandbox="s", pid=2), 10)
+
+    assert asyncio.run(go()) == {"done": True} and len(pings) == 6
