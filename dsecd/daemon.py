@@ -29,7 +29,7 @@ import signal
 import sys
 from pathlib import Path
 
-from . import __version__, cgroup, fds, logs, profiling
+from . import __version__, cgroup, fds, logs, pinned, profiling
 from .config import DEFAULT_PATH, ConfigError, keys_of, load_config
 from .configreload import Reloader
 from .features import probe_all
@@ -452,6 +452,13 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("dsecd: must run as root (namespaces, cgroups, mounts)")
         lock_state_dir(str(cfg.state_dir))
         lock_cgroup_root(cfg.section("sandbox")["cgroup_root"])
+        # Before anything is exec'ed: what it execs comes from this copy.
+        try:
+            pinned.pin(cfg.state_dir)
+        except OSError as err:
+            raise SystemExit(f"dsecd: cannot copy its code into {cfg.state_dir}/code: "
+                             f"{err.strerror or err} ({err.filename}); free space there and start dsecd "
+                             "again (sandboxes keep running meanwhile)") from err
         raise_fd_limit()
         fds.init_parking()
         try:

@@ -19,9 +19,9 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NoReturn
 
+from . import pinned
 from ._native import ffi, lib
 from .imageconfig import DEFAULT_PATH
 
@@ -1129,8 +1129,9 @@ def probe_pidfd_group_signal() -> int:
 
 
 def init_binary_path() -> str:
-    """Host path of the static dsec-init installed with this package."""
-    path = Path(__file__).resolve().parent / "libexec" / "dsec-init"
+    """Host path of the static dsec-init this daemon speaks to: in the copy
+    of its code made at start (dsecd/pinned.py), not one installed since."""
+    path = pinned.root() / "dsecd" / "libexec" / "dsec-init"
     if not os.access(path, os.X_OK):
         raise_error(errno.ENOENT, "find", str(path), "open_init", str(path))
     return str(path)

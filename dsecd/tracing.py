@@ -17,6 +17,8 @@ import json
 import subprocess
 import sys
 
+from . import pinned
+
 STOP_THEN_EXEC = ["/bin/sh", "-c", 'kill -STOP $$ && exec "$@"', "dsec-trace"]
 
 
@@ -53,8 +55,9 @@ def start_tracer(pid: int, timeout: float | None, max_bytes: int,
         cmd += ["--timeout", str(timeout + 5)]      # backstop: the exec's own timeout fires first
         if frozen_file is not None:
             cmd += ["--frozen-file", frozen_file]
+    # pinned.helper_options: the tracer of this daemon's code, not one installed since.
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            close_fds=True)
+                            close_fds=True, **pinned.helper_options())
 
 
 def collect(proc: subprocess.Popen, wait_s: float = 30.0) -> dict:

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from dsecd import native, sysfs
+from dsecd import native, pinned, sysfs
 
 log = logging.getLogger("dsecd.fs.pager")
 
@@ -52,8 +52,9 @@ class PagerError(OSError):
 
 
 def pager_binary_path() -> str:
-    """dsecd/libexec/dsec-pager, built by setup.py from csrc/pager/."""
-    return str(Path(__file__).resolve().parent.parent / "libexec" / "dsec-pager")
+    """dsecd/libexec/dsec-pager, built by setup.py from csrc/pager/, as the
+    daemon's copy of its code holds it (dsecd/pinned.py)."""
+    return str(pinned.root() / "dsecd" / "libexec" / "dsec-pager")
 
 
 def blob_hex(digest: str) -> str:

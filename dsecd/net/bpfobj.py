@@ -37,11 +37,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import pinned
 from . import bpfsys
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parents[2] / "bpf" / "net_policy.c"
 MAGIC = b"dsecd-bpf-object 1\n"
 MAPS = ("config", "sandboxes", "rules", "rule_hits", "sb_stats", "accepted", "taps", "vm_inbound",
         "udp_published", "udp_peers", "vm_frags")
@@ -62,19 +62,27 @@ TAP_PROGS = (("dsec_tap", "SCHED_CLS", "TCX_INGRESS"), ("dsec_tap_in", "SCHED_CL
 
 @dataclass(frozen=True)
 class Spec:
-    """One program source: its maps and (function, program type, attach type)
-    hooks, which the object file must hold; `name` prefixes the file."""
+    """One program source (a file of bpf/): its maps and (function, program
+    type, attach type) hooks, which the object file must hold; `name`
+    prefixes the file."""
 
     name: str
-    source: Path
+    filename: str
     maps: tuple[str, ...]
     hooks: tuple[tuple[str, str, str], ...]
 
+    @property
+    def source(self) -> Path:
+        """In the daemon's copy of its code (dsecd/pinned.py): the source its
+        maps and hooks were written for, not one installed since; a helper
+        runs from that copy, so it finds the same file."""
+        return pinned.root() / "bpf" / self.filename
 
-NET_POLICY = Spec("net_policy", SOURCE, MAPS, HOOKS + TAP_PROGS)
+
+NET_POLICY = Spec("net_policy", "net_policy.c", MAPS, HOOKS + TAP_PROGS)
 # Failed syscalls of policy-confined execs (dsecd/denials.py): a raw
 # tracepoint, attached by name, not to a cgroup.
-POLICY_DENIALS = Spec("policy_denials", SOURCE.parent / "policy_denials.c", ("watched", "events", "lost"),
+POLICY_DENIALS = Spec("policy_denials", "policy_denials.c", ("watched", "events", "lost"),
                       (("dsec_sys_exit", "RAW_TRACEPOINT", "NONE"),))
 SPECS = {s.name: s for s in (NET_POLICY, POLICY_DENIALS)}
 BUILD_TIMEOUT_S = 300
@@ -191,8 +199,10 @@ def run_helper(out: Path, cflags: list[str], spec: Spec = NET_POLICY) -> float:
     """Build `out` in a helper process; its wall time in ms."""
     t0 = time.perf_counter()
     try:
+        # pinned.helper_options: the helper computes the key with this
+        # daemon's code; one installed since would write the object under another.
         proc = subprocess.run([sys.executable, "-m", "dsecd.net.bpfobj", "--parent", str(os.getpid()),
-                               "--spec", spec.name, str(out), *cflags],
+                               "--spec", spec.name, str(out), *cflags], **pinned.helper_options(),
                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
         raise bpfsys.BpfError(110, f"compile `{spec.source}` with bcc: no result after {BUILD_TIMEOUT_S} s") from err

@@ -35,7 +35,6 @@ from .rules import FAM_V4, MAX_ENTRIES, Entry
 
 log = logging.getLogger(__name__)
 
-SOURCE = bpfobj.SOURCE
 
 __all__ = ["BpfError", "Engine"]
 
@@ -129,7 +128,7 @@ class Engine:
         try:
             self.loaded, self.load_stats = bpfobj.load(cache, cflags)
         except OSError as err:
-            raise BpfError(err.errno or errno.EINVAL, f"load the BPF programs of `{SOURCE}`: {err}") from err
+            raise BpfError(err.errno or errno.EINVAL, f"load the BPF programs of `{bpfobj.NET_POLICY.source}`: {err}") from err
         self.load_stats["ready_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
         log.info("BPF programs ready in %.1f ms (object %s)", self.load_stats["ready_ms"],
                  self.load_stats["object"])

@@ -34,6 +34,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ... import pinned
+
 GUEST_DIR = Path("/var/cache/dsecd/guest")
 FORMAT = 1       # bump when the initramfs layout changes: every cache entry is rebuilt
 KEEP_BUILDS = 4  # agents whose guest stays built (checkouts sharing the guest dir)
@@ -60,7 +62,8 @@ class GuestImage:
 
 
 def agent_binary_path() -> Path:
-    return Path(__file__).resolve().parents[2] / "libexec" / "dsec-guest-agent"
+    """The agent this daemon speaks to: in its copy of its code (dsecd/pinned.py)."""
+    return pinned.root() / "dsecd" / "libexec" / "dsec-guest-agent"
 
 
 def _meta_for(guest_dir: Path, agent: bytes) -> Path:
