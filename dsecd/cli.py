@@ -217,6 +217,13 @@ async def cmd_info(c: Client, a) -> int:
                                                   f"max {lag['max_ms']} ms" if lag.get("samples") else ""))
         if d.get("config_loaded_at"):
             print(f"config: loaded {_utc(d['config_loaded_at'])}" + _reload_text(d.get("last_reload")))
+        code = d.get("code")
+        if code and code["installed_changed_count"]:
+            print(f"code: installed code differs from the running daemon's ({code['installed_changed_count']} "
+                  f"files changed since its start: {', '.join(code['installed_changed'][:3])}): it runs on from "
+                  f"{code['running_from']}; restart it to finish the upgrade (sandboxes survive a restart)")
+        elif code:
+            print(f"code: as installed ({code['installed']}), run from {code['running_from']}")
     if "policy" in info:
         p = info["policy"]
         print(f"task policies (Landlock ABI {p['landlock_abi'] or 'none'}): " + ", ".join(p["policies"]))

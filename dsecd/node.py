@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import __version__, cgroup, metrics, protocol
+from . import __version__, cgroup, metrics, pinned, protocol
 from .backends.container import ContainerBackend
 from .backends.microvm import guestimg
 from .backends.microvm.backend import MicroVMBackend
@@ -220,6 +220,7 @@ class Node:
         self.create_service.reclaim_idle_calls = self.call_service.drop_idle_for_create
         self._cpu_task: asyncio.Task | None = None
         self.started = time.time()
+        self._said_code_changed = False     # code_info logs an install under it once
         self.default_memory = parse_size(sb["memory"])
         self.loop_monitor = None        # dsecd/looplag.py LoopMonitor, set by the daemon
         self.reloader = None            # dsecd/configreload.py Reloader, set by the daemon
@@ -352,10 +353,11 @@ class Node:
         # worker stuck (a hung store) or a read hanging, info still answers,
         # saying what it could not read.
         unread: list[str] = []
-        images, memory, vm_templates = await asyncio.gather(
+        images, memory, vm_templates, code = await asyncio.gather(
             metrics.read_source("images", lambda: self.workers.run(self.image_service.info), unread),
             metrics.read_source("memory", lambda: self.workers.run(self.memory.info), unread),
-            metrics.read_source("vm_templates", lambda: self.workers.run(self.vms.template_info), unread))
+            metrics.read_source("vm_templates", lambda: self.workers.run(self.vms.template_info), unread),
+            metrics.read_source("code", lambda: self.workers.run(self.code_info), unread))
         microvm = self.vms.info()
         if vm_templates:
             microvm["template_store"] = vm_templates
@@ -377,10 +379,28 @@ class Node:
                "daemon": {"config": self.cfg.path, "log_level": d["log_level"], "log_format": d["log_format"],
                           "metrics": self.cfg.section("metrics")["listen"] or None,
                           "loop_lag": self.loop_monitor.stats() if self.loop_monitor else None,
+                          "code": code,
                           **(self.reloader.state() if self.reloader else
                              {"config_loaded_at": None, "last_reload": None})}}
         if unread:
             out["unread"] = unread
+        return out
+
+    def code_info(self) -> dict | None:
+        """Where this daemon's code runs from and what an install changed
+        since its start (dsecd/pinned.py); said once in the log too. None
+        when not pinned (a node built in-process by a test or a tool)."""
+        pin = pinned.current()
+        if pin is None:
+            return None
+        out = pin.info()
+        if out["installed_changed_count"] and not self._said_code_changed:
+            self._said_code_changed = True
+            log.warning("installed code differs from the running daemon's (%d files changed since its start, "
+                        "e.g. %s): it runs on from its copy %s; restart it to finish the upgrade "
+                        "(sandboxes survive a restart)", out["installed_changed_count"],
+                        ", ".join(out["installed_changed"][:3]), out["running_from"],
+                        extra={"fields": {"event": "code_changed", "files": out["installed_changed"]}})
         return out
 
     def cpu_info(self) -> dict:

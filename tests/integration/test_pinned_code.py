@@ -1,15 +1,17 @@
 """An install under a running daemon (docs/operations.md, "Upgrading in
 place"): the daemon runs from its own tree, whose files are then replaced
 as `git pull && scripts/setup.sh` would, and what it execs afterwards must
-still be its own code (dsecd/pinned.py)."""
+still be its own code (dsecd/pinned.py), while `dsec info` says a restart
+finishes the upgrade."""
 
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import Daemon
+from conftest import VENV_BIN, Daemon
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,4 +84,16 @@ def test_a_daemon_runs_its_own_code_after_an_install_under_it(tree_daemon):
             assert net.exec(["ip", "-4", "addr", "show", "eth0"]).exit_code == 0
         finally:
             net.destroy(force=True)
-    assert "stale: built for key" not in d.log.read_text()
+        info = c.info()
+    code = info["daemon"]["code"]
+    assert set(code["installed_changed"]) == {"bpf/net_policy.c", "bpf/policy_denials.c", "dsecd/libexec/dsec-init",
+                                              "dsecd/net/bpfobj.py", "dsecd/trace.py"}
+    assert code["installed"] == str(tree)
+    assert code["running_from"].startswith(str(d.state / "code") + "/")
+    log = d.log.read_text()
+    assert "stale: built for key" not in log
+    assert "installed code differs from the running daemon's" in log
+    out = subprocess.run([str(VENV_BIN / "dsec"), "--socket", d.socket, "info"], capture_output=True, text=True,
+                         check=True).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("code:"))
+    assert "restart it to finish the upgrade (sandboxes survive a restart)" in line, line

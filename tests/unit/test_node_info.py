@@ -38,7 +38,7 @@ def test_info_answers_without_a_source_that_does_not_and_says_which(monkeypatch)
         net_service=SimpleNamespace(net_info=dict), call_service=SimpleNamespace(info=dict),
         vms=SimpleNamespace(info=dict, template_info=dict), create_service=SimpleNamespace(info=dict, drain_info=dict),
         id_ranges=SimpleNamespace(info=dict), policies=SimpleNamespace(info=dict),
-        denials=SimpleNamespace(info=dict), layout=SimpleNamespace(hierarchies=dict), loop_monitor=None,
+        denials=SimpleNamespace(info=dict), layout=SimpleNamespace(hierarchies=dict), loop_monitor=None, code_info=lambda: None,
         reloader=None))
 
     async def run():
