@@ -209,6 +209,34 @@ def exec_target(sb: Sandbox, req, backend,
     return env, cwd, users.ProcessIds(user, gid, mapped_groups(groups, idmap.count if idmap else None))
 
 
+def _kill_if_tracer_ends_first(loop: asyncio.AbstractEventLoop, tracer_pid: int,
+                               watch: ChildWatch) -> Callable[[], None]:
+    """A traced command waits, stopped, until its tracer seizes it, and the
+    tracer records until the command ends: a tracer that exits while the
+    command has not (it failed to start, or died) would leave it stopped
+    for good. Its end kills the command; tracing.collect then gives the
+    tracer's error as the exec's trace. Returns what stops the watch (the
+    tracer is reaped by collect, not here)."""
+    pidfd = os.pidfd_open(tracer_pid)
+
+    def tracer_ended() -> None:
+        loop.remove_reader(pidfd)
+        try:
+            # WNOWAIT: look without reaping, which the command's watch does.
+            ended = os.waitid(os.P_PID, watch.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            ended = True
+        if not ended:
+            watch.kill()
+
+    loop.add_reader(pidfd, tracer_ended)
+
+    def stop() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    return stop
+
+
 def mapped_groups(groups: tuple[int, ...], size: int | None) -> tuple[int, ...]:
     """The supplementary groups a sandbox's user namespace of `size` ids maps
     (None: host ids, all of them). One it does not map owns no file there
@@ -417,6 +445,8 @@ class ExecService:
                 if trace:
                     tracer = await self._start_tracer(sb, pid, timeout)
                 watch = ChildWatch(loop, pid)
+                if tracer is not None:
+                    stop_watching_tracer = _kill_if_tracer_ends_first(loop, tracer.pid, watch)
                 self._bind_helper(ref, pid)
             else:
                 self._bind_init(ref, watch)
@@ -424,6 +454,9 @@ class ExecService:
                 result = await io.run(watch, timeout, self.limits.drain_grace_s, sb.paused_for)
             except OSError as err:
                 raise run_error(err, sb.id, argv[0], cwd) from err
+            finally:
+                if tracer is not None:
+                    stop_watching_tracer()
             if tracer is not None:
                 result["trace"] = await self.workers.run(tracing.collect, tracer)
                 failed = tracing.start_failure(result)

@@ -152,3 +152,28 @@ def test_a_traced_exec_of_a_missing_program_is_not_found_as_an_untraced_one(daem
     # A program that runs and exits 127 itself keeps its status.
     r = sandbox.exec(["sh", "-c", "exit 127"], trace=True, timeout=20)
     assert r.exit_code == 127 and any(e["kind"] == "exec" for e in r.trace["events"])
+
+
+def test_a_tracer_that_dies_before_it_attaches_ends_the_exec_saying_why(daemon_factory, busybox_rootfs):
+    """A traced command waits, stopped, for its tracer to seize it: a tracer
+    that exited first (it could not start: a broken install, a missing
+    module) left the exec waiting for good. The tracer's end now kills the
+    command, and the exec's trace says what the tracer said."""
+    import threading
+    from pathlib import Path
+
+    d = daemon_factory()
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    sb = c.create(image="busybox")
+    # The daemon runs its helpers from its own copy of the code (dsecd/pinned.py).
+    (tracer,) = Path(d.state, "code").glob("*/dsecd/trace.py")
+    tracer.write_text('raise SystemExit("tracer broken by the test")\n')
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(sb.exec(["sleep", "0"], trace=True)), daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the traced exec still waits for a tracer that is gone"
+    r = got[0]
+    assert r.signal == 9 and "tracer broken by the test" in r.trace["error"], (r, r.trace)
+    c.close()
