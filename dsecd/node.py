@@ -72,6 +72,11 @@ RUNNING_MARK = "dsecd.running"
 # default TimeoutStopSec (90 s), long enough for a VM's save under TCG.
 STOP_WAIT_S = 60.0
 
+# How often a running daemon looks for an install under it (code_info: a
+# stat of each of its ~200 files, ~1 ms), so the log says so without
+# waiting for an `info` or a metrics scrape.
+CODE_CHECK_S = 60.0
+
 # The order sandbox states are counted in systemd's STATUS= line.
 STATUS_ORDER = ("running", "paused", "dead", "creating", "stopping")
 
@@ -219,6 +224,7 @@ class Node:
         # (CreateService._room); calls.py depends on creates.py, not back.
         self.create_service.reclaim_idle_calls = self.call_service.drop_idle_for_create
         self._cpu_task: asyncio.Task | None = None
+        self._code_task: asyncio.Task | None = None
         self.started = time.time()
         self._said_code_changed = False     # code_info logs an install under it once
         self.default_memory = parse_size(sb["memory"])
@@ -252,6 +258,7 @@ class Node:
         await self.call_service.start()
         await self.create_service.start()
         self._cpu_task = loop.create_task(self.cpu.run(self._cpu_entries, self.workers.run))
+        self._code_task = loop.create_task(self._watch_code())
         self.image_service.start_layer_sweeper()
         await self.workers.run(self.memory.start)
         # Probed before the daemon's own zram device or swap file was on: again.
@@ -290,6 +297,8 @@ class Node:
         self.vm_balloon.stop()
         if self._cpu_task:
             self._cpu_task.cancel()
+        if self._code_task:
+            self._code_task.cancel()
         await self.net_service.close_net()
         await self.workers.run(self.memory.close)
         self.denials.close()
@@ -385,6 +394,16 @@ class Node:
         if unread:
             out["unread"] = unread
         return out
+
+    async def _watch_code(self, interval: float = CODE_CHECK_S) -> None:
+        """Look for an install under this daemon every `interval` s until
+        one was said in the log (code_info says it once)."""
+        while not self._said_code_changed and pinned.current() is not None:
+            await asyncio.sleep(interval)
+            try:
+                await self.workers.run(self.code_info)
+            except OSError as err:          # a file unreadable now: looked at again next time
+                log.debug("looking for an install under the daemon: %s", err)
 
     def code_info(self) -> dict | None:
         """Where this daemon's code runs from and what an install changed

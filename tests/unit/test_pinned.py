@@ -71,3 +71,32 @@ def test_a_restart_of_the_same_version_reuses_the_copy_and_drops_others(tmp_path
     first, second = _run(tree, code), _run(tree, code)
     assert first == second and first["changed"] == []
     assert sorted(p.name for p in (state / "code").iterdir()) == [Path(first["root"]).name]
+
+
+def test_a_running_daemon_looks_for_an_install_under_it_until_it_has_said_so(monkeypatch):
+    """Without an `info` or a metrics scrape, an install under a daemon was
+    never said in its log: it looks on a timer (Node._watch_code), until
+    code_info has said it once."""
+    import asyncio
+
+    from dsecd import node, pinned
+
+    monkeypatch.setattr(pinned, "current", lambda: object())
+    looks: list[int] = []
+
+    class _Workers:
+        @staticmethod
+        async def run(fn):
+            return fn()
+
+    class _Node:
+        _said_code_changed = False
+        workers = _Workers()
+
+        def code_info(self):
+            looks.append(1)
+            if len(looks) == 3:             # the third look finds the install and says it
+                self._said_code_changed = True
+
+    asyncio.run(asyncio.wait_for(node.Node._watch_code(_Node(), interval=0.01), 10))
+    assert len(looks) == 3
