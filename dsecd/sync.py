@@ -490,20 +490,25 @@ class _LoopThread:
                                "async API there, or collect and call after the request")
         self._check_process(awaitable)
         call = _Call()
-        future = self._hand(_awaited(awaitable, call), awaitable)
+        future = None
         try:
+            # Handed inside the try: an interrupt that lands just after the
+            # hand-off, before the wait, must cancel the call too.
+            future = self._hand(_awaited(awaitable, call), awaitable)
             return future.result()
         except concurrent.futures.CancelledError:
             if not self._stopping:
                 raise
             # Still under way when close() stopped the loop: cancelled there.
             raise ConnectionError(f"this {self._what} was closed while the call waited") from None
-        except BaseException:
+        except BaseException as err:
+            if future is None and isinstance(err, ConnectionError):
+                raise           # _hand's own: this client is closed, nothing was handed
             # Interrupted (KeyboardInterrupt, SystemExit from a signal handler)
             # while the request runs on the loop: cancel it there, or it would
             # go on unseen (an exec running, a create making a sandbox nobody
             # holds), and give the cancel a moment to reach the daemon.
-            if not future.done():
+            if future is None or not future.done():
                 with contextlib.suppress(RuntimeError):        # the loop was closed meanwhile
                     self._loop.call_soon_threadsafe(call.cancel)
                     call.ended.wait(CANCEL_WAIT_S)

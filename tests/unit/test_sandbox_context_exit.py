@@ -265,3 +265,29 @@ def test_close_waits_for_an_undo_that_waits_out_a_restart(tmp_path, monkeypatch)
         return undo.done()
 
     assert asyncio.run(go())
+
+
+def test_an_interrupt_just_after_a_call_is_handed_to_the_loop_cancels_it(tmp_path, monkeypatch):
+    """A ^C that landed after a blocking call was handed to the client's
+    loop but before the wait for it began escaped without cancelling it:
+    the call (a block's destroy, an exec) went on unseen, and its failure
+    was never said. It is cancelled as one interrupted during the wait."""
+    c = SyncClient(str(tmp_path / "no.sock"))
+    finished = threading.Event()
+
+    async def long_call():
+        await asyncio.sleep(0.5)
+        finished.set()
+
+    real = c._hand
+
+    def hand_then_interrupt(coro, awaitable):
+        real(coro, awaitable)
+        raise KeyboardInterrupt             # the signal handler's, between the hand-off and the wait
+
+    monkeypatch.setattr(c, "_hand", hand_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        c._run(long_call())
+    monkeypatch.undo()
+    assert not finished.wait(1.5), "the interrupted call ran on"
+    c.close()
