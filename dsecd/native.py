@@ -1131,7 +1131,7 @@ def probe_pidfd_group_signal() -> int:
 def init_binary_path() -> str:
     """Host path of the static dsec-init this daemon speaks to: in the copy
     of its code made at start (dsecd/pinned.py), not one installed since."""
-    path = pinned.root() / "dsecd" / "libexec" / "dsec-init"
+    path = pinned.libexec("dsec-init")
     if not os.access(path, os.X_OK):
         raise_error(errno.ENOENT, "find", str(path), "open_init", str(path))
     return str(path)

@@ -91,6 +91,12 @@ def root() -> Path:
     return _current.root if _current is not None else CHECKOUT
 
 
+def libexec(name: str) -> Path:
+    """A binary of dsecd/libexec (dsec-init, dsec-pager, dsec-guest-agent)
+    as this daemon's code holds it (root())."""
+    return root() / "dsecd" / "libexec" / name
+
+
 def current() -> Pinned | None:
     return _current
 

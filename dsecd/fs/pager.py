@@ -54,7 +54,7 @@ class PagerError(OSError):
 def pager_binary_path() -> str:
     """dsecd/libexec/dsec-pager, built by setup.py from csrc/pager/, as the
     daemon's copy of its code holds it (dsecd/pinned.py)."""
-    return str(pinned.root() / "dsecd" / "libexec" / "dsec-pager")
+    return str(pinned.libexec("dsec-pager"))
 
 
 def blob_hex(digest: str) -> str:

@@ -63,7 +63,7 @@ class GuestImage:
 
 def agent_binary_path() -> Path:
     """The agent this daemon speaks to: in its copy of its code (dsecd/pinned.py)."""
-    return pinned.root() / "dsecd" / "libexec" / "dsec-guest-agent"
+    return pinned.libexec("dsec-guest-agent")
 
 
 def _meta_for(guest_dir: Path, agent: bytes) -> Path:
