@@ -503,14 +503,12 @@ class ProcessService:
         proc.ended.set_result(status)
         proc.rec.update(state="exited", status=status, ended=ended or time.time())
         self._close_end(proc, "stdin")
-        draining = proc.fds["stdout"] >= 0 or proc.fds["stderr"] >= 0
-        if draining:
-            # Journaled, so that a daemon stopping before the pipes are
-            # drained leaves the rest to the next one (readopt), not lost.
+        if proc.fds["stdout"] >= 0 or proc.fds["stderr"] >= 0:
+            # Journaled (below), so that a daemon stopping before the pipes
+            # are drained leaves the rest to the next one (readopt), not lost.
             proc.rec["draining"] = True
-        self._save(sb)
-        if draining:
             self._drain_for_grace(sb, proc)
+        self._save(sb)
         self._maybe_over(sb, proc)
         proc.wake()
 
