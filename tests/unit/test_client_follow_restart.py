@@ -10,7 +10,7 @@ import os
 import pytest
 from standin_kit import serving
 
-from dsecd import ConnectionLost, NotFound, protocol
+from dsecd import ConnectionLost, DsecError, NotFound, protocol
 from dsecd.client import Client, Process, ProcOutput, Sandbox
 
 
@@ -199,12 +199,14 @@ def _ev(seq: int, at: float, kind: str = "paused") -> dict:
     return {"seq": seq, "time": at, "event": kind, "sandbox": "sb"}
 
 
-def _events_across(tmp_path, lives: list[list[dict]], now: float = 0.0, **kwargs) -> tuple[list, list[dict]]:
+def _events_across(tmp_path, lives: list[list[dict]], now: float = 0.0, end: dict | None = None,
+                   **kwargs) -> tuple[list, list[dict]]:
     """Client.events(**kwargs) while each of `lives` (the events one
     connection's request gets) is served in turn, every one but the last
-    cut short by the daemon going; the last then ends the request. What
-    events() gave (then the error that ended it, if any), and the args of
-    each events request. `now`: the daemon's time, as ping answers it."""
+    cut short by the daemon going; the last then ends the request, with the
+    error `end` if given. What events() gave (then the error that ended it,
+    if any), and the args of each events request. `now`: the daemon's time,
+    as ping answers it."""
     sock_path = str(tmp_path / "d.sock")
     asked: list[dict] = []
 
@@ -219,7 +221,7 @@ def _events_across(tmp_path, lives: list[list[dict]], now: float = 0.0, **kwargs
             await writer.drain()
             writer.transport.abort()
             return True
-        writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+        writer.write(protocol.encode_frame({"id": f["id"], **({"error": end} if end else {"result": {}})}))
         return False
 
     async def go():
@@ -230,7 +232,7 @@ def _events_across(tmp_path, lives: list[list[dict]], now: float = 0.0, **kwargs
                 try:
                     async for ev in c.events(**kwargs):
                         got.append(ev)
-                except ConnectionLost as err:
+                except (ConnectionLost, DsecError) as err:      # `end` is a DsecError
                     got.append(err)
         return got
 
@@ -265,34 +267,10 @@ def test_an_events_follower_of_a_sandbox_the_next_daemon_has_not_says_so(tmp_pat
     next daemon does not know (destroyed before it, or meanwhile) ended
     with its answer alone, "no sandbox 'sb' (see `dsec ps`)", as if the
     follow had named a sandbox that never was."""
-    sock_path = str(tmp_path / "d.sock")
-    asked: list[dict] = []
-
-    async def answer(f: dict, writer) -> bool:
-        if f["op"] != "events":
-            writer.write(protocol.encode_frame({"id": f["id"], "result": {"time": 0.0} if f["op"] == "ping" else {}}))
-            return False
-        asked.append(f["args"])
-        if len(asked) == 1:
-            writer.write(protocol.encode_frame({"id": f["id"], "stream": _ev(1, 1.0, "destroyed")}))
-            await writer.drain()
-            writer.transport.abort()
-            return True
-        error = {"code": "not_found", "message": "no sandbox 'sb' (see `dsec ps`)", "detail": {"sandbox": "sb"}}
-        writer.write(protocol.encode_frame({"id": f["id"], "error": error}))
-        return False
-
-    async def go():
-        server = await asyncio.start_unix_server(serving(answer), sock_path)
-        got: list = []
-        async with server:
-            async with Client(sock_path) as c:
-                with pytest.raises(NotFound) as info:
-                    async for ev in c.events(sandbox="sb"):
-                        got.append(ev)
-        return got, info.value
-
-    got, err = asyncio.run(asyncio.wait_for(go(), 30))
+    error = {"code": "not_found", "message": "no sandbox 'sb' (see `dsec ps`)", "detail": {"sandbox": "sb"}}
+    got, asked = _events_across(tmp_path, [[_ev(1, 1.0, "destroyed")], []], end=error, sandbox="sb")
+    err = got.pop()
+    assert isinstance(err, NotFound), err
     assert got == [_ev(1, 1.0, "destroyed")] and len(asked) == 2
     assert "lost" in err.message and "no sandbox 'sb'" in err.message and err.detail == {"sandbox": "sb"}, err
 
