@@ -333,6 +333,8 @@ class _ProgressBar:
             text = f"waiting: images.max_flattens ({p['max']}) flattens already running"
         elif p.get("step") == "unpack":
             text = f"unpacking layer {p['layer']}/{p['of']} ({p['entries']} entries)"
+        elif p.get("step") == "measure":
+            text = f"measuring the room needed: layer {p['layer']}/{p['of']} ({p['entries']} entries)"
         elif p.get("step") == "merge":
             text = (f"merging layer {p['layer']}/{p['of']}: {p['entries']} entries, "
                     f"{_human_bytes(p['bytes'])} copied")

@@ -61,9 +61,12 @@ def pad_to_pmem(path: Path) -> None:
 
 
 class ErofsError(Exception):
-    def __init__(self, code: str, message: str):
+    """code: a protocol error code; detail: the error's detail (errno, path), if any."""
+
+    def __init__(self, code: str, message: str, detail: dict | None = None):
         super().__init__(message)
         self.code = code
+        self.detail = detail
 
 
 def exclude_rel(path: str) -> str:
@@ -128,6 +131,6 @@ def build(src: Path, out: Path, exclude: Iterable[str] = (), cancelled: threadin
             # The device mkfs.erofs names is `out`, not the `src` it reads:
             # say which file system to free space on.
             raise ErofsError("io", f"mkfs.erofs {src}: {detail} writing {out}; free space "
-                             f"on the file system of {out.parent}")
+                             f"on the file system of {out.parent}", {"errno": "ENOSPC", "path": str(out.parent)})
         raise ErofsError("bad_request", f"mkfs.erofs {src}: {detail}")
     pad_to_pmem(out)

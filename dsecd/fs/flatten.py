@@ -22,6 +22,9 @@ shows them as `trusted.overlay.*` and acts on none of them), symlinks, device
 nodes, fifos and hard links within a layer are kept. mtimes are not:
 mkfs.erofs writes every layer with timestamp 0 (fs/erofs.py).
 
+measure() walks the layers' file listings alone, top layer first, for
+what merge() would write: the room a flatten checks first.
+
 Overlay bookkeeping the merge does not reproduce is refused (Unsupported):
 a redirect (overlayfs follows one in a lower layer, redirect_always_follow,
 merging another directory's contents in), a metacopy, and the whiteouts
@@ -42,6 +45,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 OVERLAY_XATTRS = "trusted.overlay."
@@ -84,6 +88,37 @@ class NoRoom(Exception):
         self.need, self.free, self.path, self.written = need, free, path, written
 
 
+@dataclass
+class Footprint:
+    """What merge() of some layers would write, as measure() counts it."""
+    files: int = 0          # regular files, each once (a file of several names once)
+    data: int = 0           # their apparent bytes
+    data_blocks: int = 0    # their bytes in whole BLOCKs
+    dirs: int = 0
+    entries: int = 0        # names of all kinds, the root left out
+
+    def tree_bytes(self) -> int:
+        """About what the merged tree takes on the scratch dir's file system:
+        its files in whole blocks, a block for each directory (ext4's, xfs's
+        for a small one; tmpfs takes none)."""
+        return self.data_blocks + self.dirs * BLOCK
+
+    def layer_bytes(self) -> int:
+        """About the EROFS layer mkfs.erofs packs of it: every file's data in
+        whole blocks (fs/erofs.py writes them -Enoinline_data), and
+        ENTRY_BYTES for each entry's inode, dirent and name."""
+        return self.data_blocks + self.entries * ENTRY_BYTES
+
+
+# The block files take on the scratch dir's file system (ext4's, xfs's, a
+# tmpfs page) and in an EROFS layer (fs/erofs.py's mkfs.erofs).
+BLOCK = 4096
+# An EROFS entry's metadata above its data blocks: mkfs.erofs -Enoinline_data
+# of /usr/include, /usr/share/doc and /usr/lib/python3.11 took 59-65 bytes an
+# entry (its inode, dirent and name); twice that for names longer and xattrs.
+ENTRY_BYTES = 128
+
+
 class _Bookkeeping(Exception):
     """_attrs met one of UNSUPPORTED (or an "x" opaque mark): its name."""
 
@@ -109,6 +144,73 @@ def merge(layers: list[str], dest: Path, progress: Callable[[dict], None] | None
         state.layer = n
         _apply(Path(top), dest, state)
     state.report(force=True)
+
+
+# How measure() finds a path a layer above has: a directory the layers
+# below merge into, or one that hides them (opaque, or over a whiteout or a
+# non-directory of a layer between), or anything else (a file, a whiteout).
+_MERGED, _HIDING, _TAKEN = range(3)
+
+
+def measure(layers: list[str], progress: Callable[[dict], None] | None = None,
+            cancelled: threading.Event | None = None) -> Footprint:
+    """What merge(layers) would write, from the layers' metadata alone (no
+    data read, nothing written): each path as the topmost layer that has it
+    leaves it, walked top layer first, so what a layer above replaces,
+    removes or hides is neither walked nor counted. Holds each path of the
+    merged tree in memory meanwhile. Progress: {"step": "measure", "layer",
+    "of", "entries"} (the layer being walked, 1-based from the bottom as
+    merge's), at most every PROGRESS_EVERY_S; Cancelled as merge."""
+    seen: dict[str, int] = {}
+    out = Footprint()
+    last = 0.0
+    of = len(layers)
+    for n in range(of, 0, -1):
+        if seen.get("") == _HIDING:        # an opaque root above: nothing below shows
+            break
+        top = layers[n - 1]
+        counted: set[tuple[int, int]] = set()      # (dev, ino) of a file with more names, in this layer
+        stack = [("", top)]
+        while stack:
+            rel, src_dir = stack.pop()
+            with os.scandir(src_dir) as entries:
+                for entry in entries:
+                    path = os.path.join(rel, entry.name)
+                    st = entry.stat(follow_symlinks=False)
+                    is_dir = stat.S_ISDIR(st.st_mode)
+                    above = seen.get(path)
+                    if above is None:
+                        if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:     # a whiteout
+                            seen[path] = _TAKEN
+                        elif is_dir:
+                            out.entries += 1
+                            out.dirs += 1
+                            seen[path] = _HIDING if _opaque(entry.path) else _MERGED
+                            stack.append((path, entry.path))
+                        else:
+                            out.entries += 1
+                            seen[path] = _TAKEN
+                            if stat.S_ISREG(st.st_mode) and (st.st_nlink == 1 or (st.st_dev, st.st_ino) not in counted):
+                                counted.add((st.st_dev, st.st_ino))
+                                out.files += 1
+                                out.data += st.st_size
+                                out.data_blocks += -(-st.st_size // BLOCK) * BLOCK
+                    elif above == _MERGED:
+                        if is_dir:
+                            if _opaque(entry.path):
+                                seen[path] = _HIDING
+                            stack.append((path, entry.path))
+                        else:                       # the directory above replaces it and hides what is below
+                            seen[path] = _HIDING
+                    if cancelled is not None and cancelled.is_set():
+                        raise Cancelled()
+                    now = time.monotonic()
+                    if progress is not None and now - last >= PROGRESS_EVERY_S:
+                        last = now
+                        progress({"step": "measure", "layer": n, "of": of, "entries": out.entries})
+        if _opaque(top):
+            seen[""] = _HIDING
+    return out
 
 
 class _State:

@@ -103,6 +103,23 @@ UNPACK_PREFIX = "unpack-"
 # What a flatten leaves free on the scratch dir's file system for the state
 # dir and other writers there (on one smaller than 20 GiB: 5% of it).
 SCRATCH_RESERVE = 1 << 30
+# What an error of a full file system under the store or scratch dir
+# suggests to free space on it.
+FREE_SPACE = ("remove images no longer needed (`dsec image rm NAME`, then `dsec image gc`) if the image "
+              "store is on it, or other files")
+
+
+def _reserve(path: Path) -> int:
+    """What a flatten leaves free on the file system of `path`."""
+    st = os.statvfs(path)
+    return min(SCRATCH_RESERVE, st.f_blocks * st.f_frsize // 20)
+
+
+def _room(path: Path) -> int:
+    """Bytes a flatten may still write on the file system of `path`: its
+    free space less _reserve."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize - _reserve(path)
 
 
 class ImageStore:
@@ -565,7 +582,7 @@ class ImageStore:
                 raise erofs.ErofsError("conflict", f"mkfs.erofs {src}: cancelled")
         except erofs.ErofsError as err:
             tmp.unlink(missing_ok=True)
-            raise ImageError(err.code, str(err)) from err
+            raise ImageError(err.code, str(err), err.detail) from err
         return self.store_layer(tmp, progress, hold)
 
     def layer_temp_path(self) -> Path:
@@ -711,9 +728,49 @@ class ImageStore:
     def _scratch_room(self) -> int:
         """Bytes the scratch dir's file system may still take: its free
         space less what stays free for the state dir and other writers
-        there (the smaller of 1 GiB and 5% of it)."""
-        st = os.statvfs(self.scratch)
-        return st.f_bavail * st.f_frsize - min(SCRATCH_RESERVE, st.f_blocks * st.f_frsize // 20)
+        there (_reserve)."""
+        return _room(self.scratch)
+
+    def _check_flatten_room(self, image: Image, dirs: list[str], progress: Progress | None,
+                            cancelled: threading.Event | None) -> None:
+        """Refuse (`io`, ENOSPC) a flatten whose merged tree and flat layer
+        would not fit: the tree in the scratch dir, and the EROFS layer
+        mkfs.erofs writes from it in the store's temp dir while the tree is
+        still there (one file system by default). The sum of the image's
+        layers' sizes bounds each (as if no layer replaced or removed a
+        file of those below); only when that bound does not fit are the
+        layers walked (flatten.measure) for what the merge would write: a
+        chain of snapshots rewriting one big file holds it once per layer.
+        Called with the layers mounted, inside _flatten's handlers
+        (Cancelled, OSError)."""
+        layer_dir = self.store.tmp
+        shared = os.stat(self.scratch).st_dev == os.stat(layer_dir).st_dev
+        tree_room = self._scratch_room()
+        layer_room = tree_room if shared else _room(layer_dir)
+
+        def fits(tree: int, layer: int) -> bool:
+            return tree + layer <= tree_room if shared else tree <= tree_room and layer <= layer_room
+
+        if fits(image.size, image.size):
+            return
+        need = flatten.measure(dirs, progress, cancelled)
+        tree, layer = need.tree_bytes(), need.layer_bytes()
+        if fits(tree, layer):
+            return
+        if shared:
+            where, short, free = self.scratch, tree + layer, tree_room
+            what = (f"the merged tree ({tree} bytes) and the EROFS layer packed from it ({layer} bytes, "
+                    f"in {layer_dir}, the same file system)")
+        elif tree > tree_room:
+            where, short, free, what = self.scratch, tree, tree_room, f"the merged tree ({tree} bytes)"
+        else:
+            where, short, free = layer_dir, layer, layer_room
+            what = f"the EROFS layer packed from the merged tree ({layer} bytes)"
+        raise ImageError(
+            "io", f"flatten of {image.name!r} refused: it needs about {short} bytes in {where} for {what}, "
+            f"and {max(0, free)} are free there (keeping {_reserve(where)} bytes free for other writers); "
+            f"nothing written. Free space on that file system: {FREE_SPACE}",
+            {"errno": "ENOSPC", "path": str(where), "need": short, "free": max(0, free)})
 
     def _flatten(self, image: Image, target: str, parent: str | None, made_from: str | None, replace: bool,
                  mounted, progress: Progress | None, cancelled: threading.Event | None) -> Image:
@@ -725,6 +782,7 @@ class ImageStore:
                 tree = work / "tree"
                 with mounted(image.layer_digests) as dirs:
                     try:
+                        self._check_flatten_room(image, dirs, progress, cancelled)
                         flatten.merge(dirs, tree, progress, cancelled, self.max_layer_bytes, self._scratch_room)
                     except flatten.TooLarge as err:
                         raise ImageError("limit", f"flatten of {image.name!r}: {err}: the flat layer would be "
@@ -734,21 +792,29 @@ class ImageStore:
                                          "before flattening") from None
                     except flatten.NoRoom as err:
                         raise ImageError("io", f"flatten of {image.name!r}: the merged tree is written in "
-                                         f"{self.scratch}, which has no room for the next file: {err}, keeping "
-                                         "the smaller of 1 GiB and 5% of its disk free for other writers; "
-                                         "nothing published: free space there (the image's layers total "
-                                         f"{image.size} bytes)") from None
+                                         f"{self.scratch}, which has no room left for the next file (another "
+                                         f"writer took it since the flatten started): {err}, keeping "
+                                         f"{_reserve(self.scratch)} bytes free for other writers; nothing "
+                                         f"published. Free space on that file system: {FREE_SPACE}",
+                                         {"errno": "ENOSPC", "path": str(self.scratch)}) from None
                     except flatten.Cancelled:
                         raise ImageError("conflict", f"flatten of {image.name!r} cancelled: nothing "
                                          "published") from None
                     except flatten.Unsupported as err:
                         raise ImageError("unsupported", f"flatten of {image.name!r}: {err}") from None
                     except OSError as err:
-                        room = (f"; the merged tree is written in {self.scratch}, which needs room for the "
-                                f"image's {image.size} bytes") if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+                        room = (f"; the file system of {self.scratch}, where the merged tree is written, "
+                                "filled up meanwhile; nothing published. Free space on it: "
+                                f"{FREE_SPACE}") if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
                         raise ImageError("io", f"flatten of {image.name!r}: {err.filename or tree}: "
-                                         f"{err.strerror or err}{room}") from err
-                layer = self.build_layer(tree, progress=progress, hold=hold, cancelled=cancelled)
+                                         f"{err.strerror or err}{room}",
+                                         {"errno": errno.errorcode.get(err.errno or 0, "EIO"),
+                                          "path": str(err.filename or tree)}) from err
+                try:
+                    layer = self.build_layer(tree, progress=progress, hold=hold, cancelled=cancelled)
+                except ImageError as err:
+                    raise ImageError(err.code, f"flatten of {image.name!r}: {err}; nothing published",
+                                     err.detail) from err
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             if cancelled is not None and cancelled.is_set():

@@ -70,10 +70,13 @@ def test_a_whiteout_frees_what_it_removes(tmp_path):
 
 
 def test_a_file_the_scratch_dir_has_no_room_for_stops_the_flatten_first(tmp_path, monkeypatch):
+    """The room checked before the flatten starts goes meanwhile (another writer)."""
     images, dirs = _chain(tmp_path, {"a": 100}, {"b": 5000})
-    monkeypatch.setattr(ImageStore, "_scratch_room", lambda self: 4096)
+    rooms = iter([1 << 40])         # the check before the merge; then 4096 bytes
+    monkeypatch.setattr(ImageStore, "_scratch_room", lambda self: next(rooms, 4096))
     with pytest.raises(ImageError) as info:
         images.flatten("app", "flat", lambda _digests: contextlib.nullcontext(dirs))
     assert info.value.code == "io" and "/b (5000 bytes)" in str(info.value), info.value
-    assert str(tmp_path / "scratch") in str(info.value) and "free space there" in str(info.value)
+    assert str(tmp_path / "scratch") in str(info.value) and "Free space on that file system" in str(info.value)
+    assert info.value.detail["errno"] == "ENOSPC"
     assert os.listdir(tmp_path / "scratch") == []
