@@ -408,7 +408,16 @@ class ContainerSpec:
         lower = b":".join(_path("lowerdir", d, ",:\\") for d in self.lowerdirs)
         upper = _path("upperdir", self.upperdir, ",:\\")
         work = _path("workdir", self.workdir, ",:\\")
-        opts = b"lowerdir=%s,upperdir=%s,workdir=%s" % (lower, upper, work)
+        # redirect_dir=follow, metacopy=off whatever the host's overlay
+        # module defaults to (overlay.redirect_dir, overlay.metacopy): the
+        # upper dir becomes a layer (a snapshot, a build step), and a
+        # redirect (a renamed lower directory: its files stay in the layer
+        # below) or a metacopy (a chmod'ed file: its data stays below) would
+        # make one that is not whole; an overlay with metacopy off refuses
+        # to read such a file (EPERM), and `image flatten` refuses the
+        # layer. A rename of a lower directory gets EXDEV (mv then copies).
+        # Redirects in a layer made elsewhere are still followed.
+        opts = b"lowerdir=%s,upperdir=%s,workdir=%s,redirect_dir=follow,metacopy=off" % (lower, upper, work)
         # The spawn child copies them into a buffer of one page (csrc/spawn.c
         # DSEC_OVERLAY_OPTS_MAX), and mount(2) would take no more.
         if len(opts) >= PAGE_SIZE:

@@ -178,7 +178,8 @@ def _container(**kw) -> native.ContainerSpec:
 
 
 def test_container_spec_overlay_options():
-    assert _container().overlay_options() == b"lowerdir=/l1:/l2,upperdir=/u,workdir=/w"
+    assert _container().overlay_options() == \
+        b"lowerdir=/l1:/l2,upperdir=/u,workdir=/w,redirect_dir=follow,metacopy=off"
 
 
 @pytest.mark.parametrize("kw,words", [
