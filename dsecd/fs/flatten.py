@@ -26,13 +26,22 @@ measure() walks the layers' file listings alone, top layer first, for
 what merge() would write: the room a flatten checks first.
 
 Overlay bookkeeping the merge does not reproduce is refused (Unsupported):
-a redirect (overlayfs follows one in a lower layer, redirect_always_follow,
-merging another directory's contents in), a metacopy, and the whiteouts
-kept as xattrs (a file marked trusted.overlay.whiteout in a directory whose
-opaque mark is "x", which overlayfs hides). No layer dsecd makes holds them
-(sandboxes' overlays run without redirect_dir and metacopy; a microVM's
-layer and a pulled one leave them out); a layer built from a host
-directory that has them does.
+a redirect (overlayfs follows one in a lower layer, redirect_dir=follow,
+merging another directory's contents in), a metacopy (the file's data is
+that of the same file in a layer below), and the whiteouts kept as xattrs
+(a file marked trusted.overlay.whiteout in a directory whose opaque mark is
+"x", which overlayfs hides). No layer dsecd makes holds them: a container's
+overlay is mounted redirect_dir=follow,metacopy=off whatever the host's
+overlay module defaults to (native.ContainerSpec.overlay_options), so the
+upper dir a snapshot or a build step packs has none; a microVM's layer
+leaves overlay's trusted.overlay.* but the opaque mark out (the guest
+agent's tar_xattr_kept); a pulled or imported OCI layer marks what it
+removes with whiteout files, not xattrs, and keeps none of its tar's
+xattrs (csrc/tarerofs.c, oci._Unpacker). Only a layer built from a host
+directory (image_build of a root file system directory: mkfs.erofs keeps
+its xattrs) can, one that was another overlay's upper dir. The
+user.overlay.* equivalents (an overlay mounted userxattr) are plain xattrs
+to a sandbox's overlay, which is not mounted so: kept as any.
 
 Blocking: call it from a worker thread.
 """
@@ -68,7 +77,12 @@ class Cancelled(Exception):
 
 
 class Unsupported(Exception):
-    """A layer holds overlay bookkeeping the merge does not reproduce."""
+    """A layer holds overlay bookkeeping the merge does not reproduce;
+    `layer`: which (1-based, bottom first)."""
+
+    def __init__(self, message: str, layer: int):
+        super().__init__(message)
+        self.layer = layer
 
 
 class TooLarge(Exception):
@@ -271,7 +285,10 @@ def _apply(top: Path, dest: Path, state: _State) -> None:
 def _unsupported(state: _State, path: str, name: str) -> Unsupported:
     what = UNSUPPORTED.get(name, 'a mark of whiteouts kept as xattrs (opaque "x")')
     return Unsupported(f"layer {state.layer} of {state.of} has overlay's {name} on {path}, {what}: "
-                       "flattening does not reproduce it (what a sandbox of the image shows would change)")
+                       "flattening does not reproduce it (what a sandbox of the image shows would change). "
+                       "No layer dsecd makes has one: this one was built from a host directory that was "
+                       "another overlay's upper dir; build it from what that overlay shows (its mount) "
+                       "instead", state.layer)
 
 
 def _apply_entry(entry: os.DirEntry, rel: str, dest: Path, stack: list, linked: dict, state: _State) -> None:

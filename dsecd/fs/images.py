@@ -801,7 +801,8 @@ class ImageStore:
                         raise ImageError("conflict", f"flatten of {image.name!r} cancelled: nothing "
                                          "published") from None
                     except flatten.Unsupported as err:
-                        raise ImageError("unsupported", f"flatten of {image.name!r}: {err}") from None
+                        raise ImageError("unsupported", f"flatten of {image.name!r}: {err} (the layer is "
+                                         f"{image.layers[err.layer - 1]['digest']})") from None
                     except OSError as err:
                         room = (f"; the file system of {self.scratch}, where the merged tree is written, "
                                 "filled up meanwhile; nothing published. Free space on it: "

@@ -57,3 +57,4 @@ def test_overlay_bookkeeping_flatten_cannot_reproduce_is_refused(tmp_path, xattr
     with pytest.raises(flatten.Unsupported) as info:
         flatten.merge([str(low), str(top)], tmp_path / "out")
     assert xattr in str(info.value) and str(marked.relative_to(top)) in str(info.value)
+    assert info.value.layer == 2 and "built from a host directory" in str(info.value), info.value

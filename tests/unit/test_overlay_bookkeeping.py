@@ -10,13 +10,16 @@ Root: mounts an overlay."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import shutil
 import subprocess
 
 import pytest
 
 from dsecd import native
+from dsecd.fs.images import ImageError, ImageStore
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting an overlay needs root")
 
@@ -47,3 +50,25 @@ def test_a_sandbox_overlay_renames_and_chmods_without_redirect_or_metacopy(tmp_p
              if name in ("trusted.overlay.redirect", "trusted.overlay.metacopy")}
     assert marks == {}, f"the upper dir holds overlay bookkeeping a layer cannot stand on: {marks}"
     assert (upper / "big").read_bytes() == (low / "big").read_bytes(), "the chmod did not copy the data up"
+
+
+@pytest.mark.skipif(shutil.which("mkfs.erofs") is None, reason="needs erofs-utils")
+def test_a_layer_built_from_another_overlays_upper_dir_is_refused_by_flatten_saying_so(tmp_path):
+    """Such a layer keeps the redirect (mkfs.erofs keeps a directory's
+    xattrs); the refusal names the xattr, the path, the layer and where
+    the layer came from."""
+    low, upper = tmp_path / "low", tmp_path / "upper"
+    (low / "etc" / "conf.d").mkdir(parents=True)
+    (low / "etc" / "conf.d" / "a").write_text("a")
+    (upper / "etc" / "moved.d").mkdir(parents=True)
+    os.setxattr(upper / "etc" / "moved.d", "trusted.overlay.redirect", b"conf.d")
+    images = ImageStore(tmp_path / "store", tmp_path / "scratch")
+    images.build_from_dir(str(low), "base")
+    image = images.build_from_dir(str(upper), "app", parent="base")
+    with pytest.raises(ImageError) as info:
+        images.flatten("app", "flat", lambda _digests: contextlib.nullcontext([str(low), str(upper)]))
+    err = str(info.value)
+    assert info.value.code == "unsupported", err
+    assert "trusted.overlay.redirect on /etc/moved.d" in err and "layer 2 of 2" in err, err
+    assert image.layers[-1]["digest"] in err and "built from a host directory" in err, err
+    assert os.listdir(images.scratch) == []
