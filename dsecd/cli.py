@@ -2148,7 +2148,8 @@ def make_client(a) -> Client:
     if a.host:
         c = Client(fleet_target(a.host), name=f"dsec {a.cmd}", ssh=ssh_options(a))
     else:
-        c = Client(a.socket or default_socket(), name=f"dsec {a.cmd}")
+        c = Client(a.socket or default_socket(), name=f"dsec {a.cmd}",
+                   silence_timeout=getattr(a, "silence_timeout", None))
     c.lost_advice = "run the command again once the daemon answers"
     return c
 

@@ -191,7 +191,7 @@ def verb_options(parser: argparse.ArgumentParser, verb: str) -> frozenset[str]:
 
 
 # dsec's global options that take a value, and `dsec fleet`'s.
-GLOBAL_VALUED = frozenset({"--socket", "--host", "--ssh-config", "--remote-dsec"})
+GLOBAL_VALUED = frozenset({"--socket", "--host", "--ssh-config", "--remote-dsec", "--silence-timeout"})
 FLEET_VALUED = frozenset({"--hosts", "--connect-timeout"})
 
 
@@ -260,6 +260,11 @@ def _positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be seconds or a duration (2, 2s, 1m) between 0.1 and 3600 s, "
                                          f"got {text!r}")
     return value
+
+
+def _silence_arg(text: str) -> float:
+    """--silence-timeout: 0 or off (no watch), else as _positive_seconds."""
+    return 0.0 if text in ("0", "off") else _positive_seconds(text)
 
 
 def _port_and_protocol(text: str) -> tuple[int, str]:
@@ -364,6 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "env DSEC_SSH_CONFIG)")
     p.add_argument("--remote-dsec", metavar="COMMAND", help="the dsec command on remote hosts (env "
                    "DSEC_REMOTE_DSEC; default: dsec on their PATH)")
+    p.add_argument("--silence-timeout", type=_silence_arg, metavar="SECONDS",
+                   help="give up on the local daemon once it sent nothing for this long while requests "
+                        "wait and pings go unanswered (stopped, or wedged); 0 or off: never (env "
+                        "DSEC_SILENCE_TIMEOUT; default 10s)")
     p.add_argument("--version", action=_Version, nargs=0, default=argparse.SUPPRESS,
                    help="this dsec's version (the daemon's: dsec info)")
     p.set_defaults(json=False)

@@ -35,7 +35,7 @@ import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from . import framing, imageconfig, localcopy, protocol, remote
+from . import framing, imageconfig, localcopy, protocol, remote, unixsock
 from .config import parse_duration
 from .errors import BadRequest, Conflict, ConnectionLost, DsecError, LimitExceeded, NotFound
 from .unixsock import DEFAULT_SOCKET, default_socket  # noqa: F401 (the SDK's names, as before)
@@ -120,6 +120,19 @@ RECONNECT_GAP_MAX_S = 1.0
 # was a follow the daemon took, and counts again from none.
 FOLLOW_LOST_MAX = 8
 FOLLOW_ATTACHED_S = 10.0
+# A local daemon that sends nothing while requests wait on it (stopped by
+# SIGSTOP, state T; its event loop wedged) held them for ever: a unix
+# socket does not time out. The Client gives its connection up after this
+# long of such silence, its pings unanswered (_watch_silence; the Client's
+# silence_timeout, DSEC_SILENCE_TIMEOUT). A busy daemon answers a ping from
+# its event loop: during a 2,000-sandbox burst on a 2-core host, within
+# 126-212 ms at most while creating, 424-520 ms while destroying them all
+# (bench/ping_in_burst.py, 16 and 64 clients). 10 s is also how long a loop
+# goes without turning before the daemon reports itself stalled
+# (looplag.STALL_REPORT_S).
+LOCAL_SILENCE_S = 10.0
+# The pings sent in that window: one after each 1/LOCAL_PINGS of it.
+LOCAL_PINGS = 5
 # How soon Client.hold renews again after a renew found the connection gone.
 HOLD_RETRY_S = 1.0
 # The most bytes of a followed background process's output (Process.output)
@@ -158,6 +171,20 @@ def _who_may_connect(path: str) -> str:
         group = str(gid)
     return (f"the daemon's socket admits root and members of group {group!r} "
             f"(daemon.socket_group): run dsec as root, or `usermod -aG {group} USER` and log in again")
+
+
+def local_silence_timeout(given: float | str | None = None) -> float:
+    """The silence watch's window on a local socket (LOCAL_SILENCE_S): `given`
+    (seconds, or a duration such as "30s"), else DSEC_SILENCE_TIMEOUT, else
+    the default; 0 (or "off") turns the watch off."""
+    what = "silence_timeout"
+    if given is None:
+        given, what = os.environ.get("DSEC_SILENCE_TIMEOUT") or None, "DSEC_SILENCE_TIMEOUT"
+    if given is None:
+        return LOCAL_SILENCE_S
+    if given in (0, "0", "off"):
+        return 0.0
+    return parse_duration(given, f"{what} (0 or off: no watch)")
 
 
 def command_argv(command) -> list[str | bytes]:
@@ -638,6 +665,7 @@ class _Conn:
         self.writer = writer
         self.frames = frames
         self.link = link                                  # the ssh process of an ssh:// client
+        self.peer_pid: int | None = None                  # a local daemon's pid (SO_PEERCRED), for errors
         # The event loop it was opened in: its reader hands every answer to
         # futures of that loop, so only that loop's tasks may use it; and
         # the process, whose forked children share its socket.
@@ -690,11 +718,19 @@ class Client:
     bounds how long requests wait, after a lost connection, for the daemon
     to answer again (a restart under systemd), trying to connect again and
     again meanwhile. Not given, it is connect_timeout (as the one timeout
-    of older versions was both)."""
+    of older versions was both).
+
+    `silence_timeout` (a local socket's; over ssh://, ssh's keepalives in
+    SshOptions): how long a connection may stay silent while requests wait
+    on it and the pings sent meanwhile go unanswered (a daemon stopped by
+    SIGSTOP, or its event loop wedged) before it is given up, its requests
+    failing with ConnectionLost saying so. A daemon that answers pings is
+    never silent, however long its requests run. Default
+    DSEC_SILENCE_TIMEOUT, else LOCAL_SILENCE_S (10 s); 0 turns it off."""
 
     def __init__(self, target: str | None = None, name: str = "dsecd-sdk", connect_timeout: float = 30.0,
                  *, ssh: remote.SshOptions | None = None, reconnect: bool | None = None,
-                 reconnect_timeout: float | None = None):
+                 reconnect_timeout: float | None = None, silence_timeout: float | str | None = None):
         target = target or default_socket()
         self.remote = remote.is_remote(target)
         if self.remote:
@@ -739,10 +775,16 @@ class Client:
         # s of silence, and the connection given up after interval x count
         # with nothing come (_watch_silence). Over ssh:// ssh's own keepalive
         # settings: a connection shared through ControlMaster rides on a
-        # master that ssh's -o options never reach. None: no watch (a local
-        # socket does not stall).
-        self.keepalive: tuple[float, int] | None = (
-            (max(1, self.ssh.keepalive_s), max(1, self.ssh.keepalive_count)) if self.remote else None)
+        # master that ssh's -o options never reach. On a local socket,
+        # `silence_timeout` (local_silence_timeout) in LOCAL_PINGS
+        # intervals: the socket never fails, but its daemon may stop
+        # answering (SIGSTOPped, wedged). None: no watch.
+        if self.remote:
+            self.keepalive: tuple[float, int] | None = (max(1, self.ssh.keepalive_s),
+                                                        max(1, self.ssh.keepalive_count))
+        else:
+            window = local_silence_timeout(silence_timeout)
+            self.keepalive = (window / LOCAL_PINGS, LOCAL_PINGS) if window else None
 
     def __repr__(self) -> str:
         return f"<Client {self.target}>"
@@ -824,18 +866,25 @@ class Client:
     async def _watch_silence(self, conn: _Conn, interval: float, count: int) -> None:
         """Give `conn` up once requests wait on it and nothing came through
         it for interval x count s, a ping sent after each `interval` of that
-        silence unanswered: a link that stalled, or a host that stopped
-        answering. ssh's ServerAliveInterval does this for its own
-        connection, but not for one shared through ControlMaster (the
-        master's keepalives are the master's settings; without them a
-        request waits for TCP to give up, or for ever when nothing is
-        being sent). Progress counts either way: bytes come (of a frame
-        complete or not), or our bytes still leave (an upload on a slow
-        link, which a ping waits behind)."""
+        silence unanswered: a link that stalled, a host that stopped
+        answering, a local daemon stopped (SIGSTOP) or wedged. ssh's
+        ServerAliveInterval does this for its own connection, but not for
+        one shared through ControlMaster (the master's keepalives are the
+        master's settings; without them a request waits for TCP to give
+        up, or for ever when nothing is being sent); a unix socket never
+        gives up. Progress counts either way: bytes come (of a frame
+        complete or not, a ping's answer among them), or our bytes still
+        leave (an upload on a slow link, which a ping waits behind). And
+        only silence after a ping that went unanswered for an interval
+        counts: a request the daemon has nothing to say about for minutes
+        (a quiet exec, a follow) is no silence while it answers the
+        pings, nor is a wake made late by this loop's own delay (a caller
+        that blocked it) before a ping was asked."""
         loop = asyncio.get_running_loop()
         transport = conn.writer.transport
         quiet_since = loop.time()
         unsent = transport.get_write_buffer_size()
+        pinged_at: float | None = None          # the first ping of this silence, unanswered
         while conn.lost is None and self._conn is conn:
             await asyncio.sleep(interval)
             now = loop.time()
@@ -843,12 +892,12 @@ class Client:
             if not conn.pending or left < unsent:
                 quiet_since = now                   # nothing waits, or ours still leaves
             unsent = left
-            silent = now - max(quiet_since, self.last_frame_at)
-            if silent >= interval * count:
-                reason = (f"nothing came from {self.target} for {silent:.0f} s with requests waiting, "
-                          "pings unanswered: the link stalled or the host stopped answering; check that "
-                          "it is up and reachable (over a ControlMaster connection, the master's "
-                          "ServerAliveInterval applies, not ours)")
+            heard = max(quiet_since, self.last_frame_at)
+            if pinged_at is not None and heard >= pinged_at:
+                pinged_at = None                    # answered, or the silence ended otherwise
+            silent = now - heard
+            if silent >= interval * count and pinged_at is not None and now - pinged_at >= interval:
+                reason = self._silence_reason(conn, silent)
                 self.abort_now(reason)
                 if self.on_lost is not None:
                     with contextlib.suppress(Exception):
@@ -857,6 +906,24 @@ class Client:
             if silent >= interval and not transport.is_closing():
                 # Its answer is no one's (no pending entry): it only makes bytes come.
                 transport.writelines(self._encode(conn, self.new_id(), "ping", {}))
+                if pinged_at is None:
+                    pinged_at = now
+
+    def _silence_reason(self, conn: _Conn, silent: float) -> str:
+        """Why _watch_silence gave `conn` up, and what to look at."""
+        if self.remote:
+            return (f"nothing came from {self.target} for {silent:.0f} s with requests waiting, "
+                    "pings unanswered: the link stalled or the host stopped answering; check that "
+                    "it is up and reachable (over a ControlMaster connection, the master's "
+                    "ServerAliveInterval applies, not ours)")
+        pid = conn.peer_pid
+        which = f"dsecd (pid {pid})" if pid else "dsecd"
+        status = f"/proc/{pid}/status" if pid else "/proc/PID/status"
+        return (f"the daemon at {self.socket_path} sent nothing for {silent:.3g} s with requests waiting, "
+                f"pings unanswered: is {which} stopped (State: T in {status}; `kill -CONT {pid or 'PID'}` "
+                "resumes it) or its event loop wedged (its log reports a loop that has not turned)? "
+                "The window is the Client's silence_timeout (DSEC_SILENCE_TIMEOUT, dsec --silence-timeout; "
+                "0 turns the watch off)")
 
     async def _hello(self, conn: _Conn) -> dict:
         args = {"protocol": protocol.PROTOCOL_VERSION, "client": self.name}
@@ -879,7 +946,10 @@ class Client:
         except PermissionError as err:
             raise ConnectionError(f"cannot connect to dsecd at {self.socket_path}: permission denied; "
                                   f"{_who_may_connect(self.socket_path)}") from err
-        return _Conn(asyncio.StreamWriter(transport, frames, None, loop), frames, None)
+        conn = _Conn(asyncio.StreamWriter(transport, frames, None, loop), frames, None)
+        with contextlib.suppress(OSError, AttributeError):
+            conn.peer_pid = unixsock.peer_credentials(transport.get_extra_info("socket"))[0] or None
+        return conn
 
     async def _open_ssh(self) -> _Conn:
         link = remote.SshLink(self._ssh_target, self.ssh)

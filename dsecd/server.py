@@ -37,7 +37,6 @@ from .errors import (
 )
 
 log = logging.getLogger(__name__)
-_UCRED = struct.Struct("3i")
 # The largest frame before a connection's hello is done: a hello is a few
 # dozen bytes, and an unauthenticated peer must not make the daemon hold
 # max_frame_bytes per connection.
@@ -50,12 +49,6 @@ HANGUP_POLL_S = 1.0
 # <asm-generic/socket.h> (Linux >= 4.13); Python's socket module lacks it.
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 _MAX_PEER_GROUPS = 256       # Python's getsockopt takes at most 1024 bytes
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of a unix socket."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    return _UCRED.unpack(raw)
 
 
 # <asm-generic/socket.h> (Linux >= 6.5).
@@ -562,7 +555,7 @@ class Server:
         conn = Connection(self, frames, writer)
         sock = writer.get_extra_info("socket")
         try:
-            pid, uid, gid = peer_credentials(sock)
+            pid, uid, gid = unixsock.peer_credentials(sock)
         except OSError:
             pid = uid = gid = -1
         conn.peer = f"pid={pid} uid={uid} gid={gid}"

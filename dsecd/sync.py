@@ -574,11 +574,11 @@ class _Client(Client):
 class SyncClient(_LoopThread):
     def __init__(self, target: str | None = None, name: str = "dsecd-sync", connect_timeout: float = 30.0,
                  *, ssh: SshOptions | None = None, reconnect: bool | None = None,
-                 reconnect_timeout: float | None = None):
+                 reconnect_timeout: float | None = None, silence_timeout: float | str | None = None):
         """target: a socket path or ssh://[user@]host[:port], as Client's;
-        connect_timeout and reconnect_timeout as Client's."""
+        connect_timeout, reconnect_timeout and silence_timeout as Client's."""
         self._client = _Client(target, name, connect_timeout, ssh=ssh, reconnect=reconnect,
-                               reconnect_timeout=reconnect_timeout)
+                               reconnect_timeout=reconnect_timeout, silence_timeout=silence_timeout)
         self._holds: set[asyncio.Task] = set()       # hold()'s tasks still renewing (touched on the loop only)
         super().__init__()
 

@@ -7,9 +7,19 @@ import errno
 import os
 import socket
 import stat
+import struct
 import tempfile
 
 DEFAULT_SOCKET = "/run/dsecd/dsecd.sock"
+# <sys/socket.h> struct ucred: pid, uid, gid.
+_UCRED = struct.Struct("3i")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a unix socket (as
+    it was when it connected, or listened for the connection)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return _UCRED.unpack(raw)
 
 
 def default_socket() -> str:

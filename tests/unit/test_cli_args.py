@@ -124,6 +124,17 @@ def test_global_options_with_values_stand_before_the_command():
     assert cli.find_verb(["--socket", "/s", "--ssh-config", "/c", "ps"]) == 4
 
 
+def test_the_silence_timeout_reaches_the_client_and_off_turns_the_watch_off(monkeypatch):
+    monkeypatch.delenv("DSEC_SILENCE_TIMEOUT", raising=False)
+    a = cli.parse_args(["--silence-timeout", "2s", "ps"])
+    assert (a.silence_timeout, a.cmd, cli.find_verb(["--silence-timeout", "2s", "ps"])) == (2.0, "ps", 2)
+    assert cli.make_client(a).keepalive[0] * cli.make_client(a).keepalive[1] == pytest.approx(2.0)
+    assert cli.make_client(cli.parse_args(["--silence-timeout", "off", "ps"])).keepalive is None
+    assert cli.parse_args(["ps"]).silence_timeout is None
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--silence-timeout", "soon", "ps"])
+
+
 def test_fleet_takes_its_hosts_then_any_command():
     a = cli.parse_args(["fleet", "--hosts", "h1, ssh://root@h2:22", "exec", "SB", "--timeout", "2", "--", "ls"])
     assert (a.fleet, a.cmd, a.sandbox, a.timeout, a.argv) == (["h1", "ssh://root@h2:22"], "exec", "SB", 2.0,

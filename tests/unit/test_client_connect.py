@@ -727,10 +727,12 @@ def test_a_pause_or_resume_lost_in_a_restart_is_sent_again(tmp_path, op):
 
 
 def test_a_request_on_a_connection_gone_silent_fails_instead_of_waiting_for_ever(tmp_path):
-    """Nothing comes back, not even for the pings: a link that stalled
-    under an ssh connection shared through ControlMaster, whose keepalives
-    are the master's (none by default), so ssh itself never ends. The
-    request waited for ever; it fails after keepalive interval x count."""
+    """Nothing comes back, not even for the pings: a local daemon stopped
+    (SIGSTOP) or wedged, whose socket never fails, as a link that stalled
+    under an ssh connection shared through ControlMaster (whose keepalives
+    are the master's) never ends ssh. The request waited for ever; it fails
+    after the window, saying which daemon (the stand-in is this process) to
+    look at and how."""
     from standin_kit import hello_then_hold
 
     from dsecd import ConnectionLost
@@ -740,16 +742,77 @@ def test_a_request_on_a_connection_gone_silent_fails_instead_of_waiting_for_ever
     async def go():
         server = await asyncio.start_unix_server(hello_then_hold, path)
         async with server:
-            c = Client(path)
-            c.keepalive = (0.1, 3)
-            async with c:
+            async with Client(path, silence_timeout=0.5) as c:
+                t = time.monotonic()
                 with pytest.raises(ConnectionLost) as e:
                     await asyncio.wait_for(c.request("proc_kill", sandbox="s", pid=2), 10)
-                return e.value
+                return e.value, time.monotonic() - t
 
-    err = asyncio.run(go())
-    assert err.sent and "nothing came from" in str(err) and "pings unanswered" in str(err), str(err)
-    assert "ControlMaster" in str(err) and "the next request connects again" in str(err)
+    err, took = asyncio.run(go())
+    said = str(err)
+    assert err.sent and 0.5 <= took < 3, (took, said)
+    assert f"the daemon at {path} sent nothing for " in said and "with requests waiting" in said, said
+    assert f"State: T in /proc/{os.getpid()}/status" in said and f"kill -CONT {os.getpid()}" in said, said
+    assert "wedged" in said and "the next request connects again" in said, said
+
+
+def test_a_local_socket_is_watched_for_silence_unless_turned_off(monkeypatch):
+    """A local daemon's window: LOCAL_SILENCE_S, else silence_timeout, else
+    DSEC_SILENCE_TIMEOUT; 0 or off: no watch. An ssh:// target keeps ssh's
+    keepalives."""
+    from dsecd import client as client_mod
+    from dsecd.errors import BadRequest
+    from dsecd.remote import SshOptions
+
+    monkeypatch.delenv("DSEC_SILENCE_TIMEOUT", raising=False)
+    pings = client_mod.LOCAL_PINGS
+    assert Client("/x.sock").keepalive == (client_mod.LOCAL_SILENCE_S / pings, pings)
+    assert Client("/x.sock", silence_timeout="3s").keepalive == (3 / pings, pings)
+    assert Client("/x.sock", silence_timeout=0).keepalive is None
+    monkeypatch.setenv("DSEC_SILENCE_TIMEOUT", "off")
+    assert Client("/x.sock").keepalive is None
+    assert Client("/x.sock", silence_timeout=2).keepalive == (2 / pings, pings)
+    monkeypatch.setenv("DSEC_SILENCE_TIMEOUT", "1m")
+    assert Client("/x.sock").keepalive == (60 / pings, pings)
+    assert Client("ssh://h", ssh=SshOptions(keepalive_s=2, keepalive_count=4)).keepalive == (2, 4)
+    monkeypatch.setenv("DSEC_SILENCE_TIMEOUT", "soon")
+    with pytest.raises(BadRequest, match="DSEC_SILENCE_TIMEOUT"):
+        Client("/x.sock")
+
+
+def test_a_watch_woken_late_by_its_own_blocked_loop_asks_before_giving_up(tmp_path):
+    """The client's own loop blocked (a caller's synchronous call) for
+    longer than the window while a request waits on a daemon that answers
+    pings: on waking, the silence it finds is its own, not the daemon's. It
+    pings first, and the answer keeps the connection."""
+    from standin_kit import serving
+
+    path = str(tmp_path / "d.sock")
+    held: list[int] = []
+
+    async def answer_pings(f: dict, writer) -> bool:
+        if f["op"] == "ping":
+            writer.write(protocol.encode_frame({"id": f["id"], "result": {}}))
+        else:
+            held.append(f["id"])
+        return False
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(answer_pings), path)
+        async with server:
+            c = Client(path)
+            c.keepalive = (0.1, 5)            # a ping after 0.1 s of silence, given up after 0.5 s
+            async with c:
+                request = asyncio.create_task(c.request("proc_kill", sandbox="s", pid=2))
+                while not held:
+                    await asyncio.sleep(0.01)
+                time.sleep(1.0)               # blocks this loop: no ping goes, none is read
+                await asyncio.sleep(0.5)      # a window with the pings answered
+                assert not request.done(), request
+                request.cancel()
+                return c.connected
+
+    assert asyncio.run(go())
 
 
 def test_a_quiet_request_whose_pings_are_answered_is_left_to_run(tmp_path):
