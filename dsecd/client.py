@@ -112,12 +112,13 @@ IDEMPOTENT = ("pause", "resume", "renew")
 RECONNECT_GAP_S = 0.05
 RECONNECT_GAP_MAX_S = 1.0
 # A follow taken up again after each lost connection (Client.events,
-# Sandbox.watch) ends once it was lost this many times in a row with no
-# frame of it come: the daemon takes the connection and drops the request,
-# every time (it fails on it), and asking again would go on for ever. A
-# daemon restart with no event since is such a loss too, so a few in a row
-# are let through; an attach that lived FOLLOW_ATTACHED_S before its loss
-# was a follow the daemon took, and counts again from none.
+# Sandbox.watch, Process.output) ends once it was lost this many times in
+# a row with no frame of it come: the daemon takes the connection and
+# drops the request, every time (it fails on it), and asking again would
+# go on for ever. A daemon restart with nothing since is such a loss too,
+# so a few in a row are let through; an attach that lived
+# FOLLOW_ATTACHED_S before its loss was a follow the daemon took, and
+# counts again from none.
 FOLLOW_LOST_MAX = 8
 FOLLOW_ATTACHED_S = 10.0
 # A local daemon that sends nothing while requests wait on it (stopped by
@@ -2280,27 +2281,35 @@ class Process:
         first: only what its connection did not take within 5 s) or
         `lost_before` (after one that died: uncounted, perhaps nothing). A microVM's agent keeps
         its ring, so nothing of it is lost. Where the client does not
-        reconnect, or the next daemon does not answer, ConnectionLost says
-        that the process runs on and how to follow it again."""
+        reconnect, the next daemon does not answer, or the follow was lost
+        FOLLOW_LOST_MAX times in a row with nothing of it come (a daemon
+        that drops the request), ConnectionLost says that the process runs
+        on and how to follow it again."""
         client = self.sb.client
         args = self._args(follow=follow, **({"since": since} if since is not None else {}))
         follower = _Follower(since is None)
-        answered = True         # the last attach got the daemon's first frame
+        refollow = _Refollow()
         while True:
             follower.attach()
+            refollow.attach()
+            came = False
             try:
                 async with contextlib.aclosing(client.frames("proc_logs", **args)) as frames:
                     async for frame in frames:
-                        answered = True
+                        came = True
                         if "__result__" in frame:
                             return
                         for chunk in follower.take(frame):
                             yield chunk
                 return
             except ConnectionLost as err:
-                if not (answered and err.sent and _reconnects(client)):
+                # Not sent: the daemon did not answer again (reconnect_timeout).
+                if not (err.sent and _reconnects(client)):
                     raise self._runs_on(err, follower) from None
-                answered = False
+                try:
+                    await refollow.lost(err, came)
+                except ConnectionLost as given_up:
+                    raise self._runs_on(given_up, follower) from None
                 args = self._args(follow=follow, **follower.resume_args(since))
 
     def _runs_on(self, err: ConnectionLost, follower: _Follower) -> ConnectionLost:
@@ -2403,11 +2412,12 @@ class _Follower:
 
 
 class _Refollow:
-    """How a follow (Client.events, Sandbox.watch) is taken up again after
-    each lost connection: at once after one of which a frame came; else
-    after a gap, doubled at each such loss in a row (a daemon that drops
-    the connection at once is not asked in a tight loop; a restart drops
-    it once), and not after FOLLOW_LOST_MAX of them (lost raises)."""
+    """How a follow (Client.events, Sandbox.watch, Process.output) is taken
+    up again after each lost connection: at once after one of which a
+    frame came; else after a gap, doubled at each such loss in a row (a
+    daemon that drops the connection at once is not asked in a tight loop;
+    a restart drops it once), and not after FOLLOW_LOST_MAX of them (lost
+    raises)."""
 
     def __init__(self):
         self.gap = RECONNECT_GAP_S

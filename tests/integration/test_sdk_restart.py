@@ -193,6 +193,52 @@ def test_a_followed_process_is_followed_on_across_a_daemon_restart(restartable, 
     assert (status.state, status.exit_code) == ("exited", 0)
 
 
+def test_a_followed_process_is_followed_on_through_connections_cut_in_a_row(restartable):
+    """The follow's connection cut five times in a row, each as soon as the
+    client had connected again (before the daemon could answer the follow
+    sent again): Process.output() goes on from its offset, as events() and
+    watch() do, with every numbered line once and in order. It gave up at
+    the first cut that came before the daemon's answer."""
+    d = restartable
+
+    async def go():
+        async with dsecd.Client(d.socket) as c:
+            sb = await c.create(image="busybox")
+            proc = await sb.spawn("for i in 1 2 3; do echo line $i; done; "
+                                  "while [ ! -e /tmp/go ]; do sleep 0.05; done; "
+                                  "for i in 4 5 6; do echo line $i; done")
+            got: list = []
+            three = asyncio.Event()
+
+            async def follow():
+                async for chunk in proc.output():
+                    got.append(chunk)
+                    if b"line 3\n" in b"".join(ch.data for ch in got):
+                        three.set()
+
+            following = asyncio.create_task(follow())
+            await asyncio.wait_for(three.wait(), 30)
+            for _ in range(5):
+                # The follow connects again at its next attach and sends
+                # its request in the same step: cut at the loop's next turn,
+                # before the daemon could answer it. A follow that gave up
+                # does not connect again, and its error ends the test below.
+                while not c.connected and not following.done():
+                    await asyncio.sleep(0)
+                await c.abort("cut by the test")
+            async with dsecd.Client(d.socket) as other:
+                await (await other.get(sb.id)).write_file("/tmp/go", b"")
+            await asyncio.wait_for(following, 60)
+            status = await proc.wait()
+            await sb.destroy(force=True)
+            return got, status
+
+    got, status = asyncio.run(go())
+    assert b"".join(ch.data for ch in got) == b"".join(b"line %d\n" % n for n in range(1, 7)), got
+    assert not [ch for ch in got if ch.fd == 0], got          # nothing dropped or lost
+    assert (status.state, status.exit_code) == ("exited", 0)
+
+
 def test_an_events_follower_goes_on_across_a_daemon_restart(restartable):
     """events() had ended with ConnectionLost at the restart: a trainer's
     watch for oom and died went blind. It follows the next daemon."""

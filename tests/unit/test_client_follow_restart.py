@@ -139,12 +139,50 @@ def test_a_follower_whose_client_does_not_reconnect_says_the_process_runs_on(tmp
     assert "process 3 in sandbox sb runs on" in said and ".output(since=1.0000000000000002)" in said, said
 
 
-def test_a_follower_lost_again_before_the_daemon_answered_gives_up(tmp_path):
-    """A connection lost again before the next daemon answered the follow
-    (one that fails on it) ends it with the error, not a loop."""
-    got, asked = _follow_across(tmp_path, [[{"dropped": 0}, _chunk(b"one\n", 1.0)], [], [{"dropped": 0}]])
-    assert got[0] == ProcOutput(1, b"one\n", 1.0) and len(asked) == 2
-    assert isinstance(got[1], ConnectionLost) and "runs on" in str(got[1])
+def _line(n: int) -> dict:
+    return _chunk(f"line {n}\n".encode(), float(n))
+
+
+def test_a_follower_lost_again_and_again_before_the_daemon_answers_goes_on_with_every_line_once(
+        tmp_path, monkeypatch):
+    """Connections cut as soon as the follow was sent, FOLLOW_LOST_MAX - 1
+    times in a row (daemon restarts with nothing answered between), twice,
+    with a ring that outlived them (a microVM's, the same daemon's) read
+    again between: the follow goes on, as Client.events() and watch() do,
+    and every numbered line comes once. It gave up at the first such loss."""
+    import dsecd.client as client_mod
+
+    monkeypatch.setattr(client_mod, "RECONNECT_GAP_S", 0.001)
+    monkeypatch.setattr(client_mod, "RECONNECT_GAP_MAX_S", 0.001)
+    unanswered = [[]] * (client_mod.FOLLOW_LOST_MAX - 1)
+    got, asked = _follow_across(tmp_path, [
+        [{"dropped": 0}, _line(1), _line(2), _line(3)],
+        *unanswered,
+        [{"dropped": 0}, *map(_line, range(1, 6))],
+        *unanswered,
+        [{"dropped": 0}, *map(_line, range(1, 9))],
+    ])
+    assert got == [ProcOutput(1, f"line {n}\n".encode(), float(n)) for n in range(1, 9)], got
+    assert len(asked) == 3 + 2 * len(unanswered) and all(a["follow"] is True for a in asked)
+
+
+def test_a_follower_lost_follow_lost_max_times_in_a_row_gives_up_saying_the_process_runs_on(
+        tmp_path, monkeypatch):
+    """A daemon that takes the connection and drops the follow every time
+    (one failing on it): after FOLLOW_LOST_MAX losses in a row it is not
+    asked again, and the error says so and how to follow the process."""
+    import dsecd.client as client_mod
+
+    monkeypatch.setattr(client_mod, "RECONNECT_GAP_S", 0.001)
+    monkeypatch.setattr(client_mod, "RECONNECT_GAP_MAX_S", 0.001)
+    got, asked = _follow_across(tmp_path, [[{"dropped": 0}, _line(1)], *[[]] * client_mod.FOLLOW_LOST_MAX,
+                                           [{"dropped": 0}]])
+    assert got[0] == ProcOutput(1, b"line 1\n", 1.0) and len(asked) == 1 + client_mod.FOLLOW_LOST_MAX
+    err = got[1]
+    assert isinstance(err, ConnectionLost) and err.op == "proc_logs" and err.sent, err
+    said = str(err)
+    assert f"lost {client_mod.FOLLOW_LOST_MAX} times in a row without a frame" in said, said
+    assert "process 3 in sandbox sb runs on" in said and ".output(since=1.0000000000000002)" in said, said
 
 
 def _tar_of(files: dict[str, bytes]) -> bytes:
