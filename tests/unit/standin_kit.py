@@ -37,3 +37,14 @@ hello_then_drop = serving(_drop)
 # Answers hello, then leaves every other request unanswered (a daemon busy
 # with it).
 hello_then_hold = serving(_hold)
+
+
+async def _say_and_hold(frame: dict, writer) -> bool:
+    print("request", frame["op"], flush=True)
+    return False
+
+
+# As hello_then_hold, and each request's op printed on stdout ("request
+# OP") as it comes: a test run in another process waits for that line
+# rather than guessing how long the client takes to get there.
+hello_then_say_and_hold = serving(_say_and_hold)

@@ -899,9 +899,9 @@ def test_a_snapshot_exclude_that_looks_like_a_pattern_warns(capsys):
 
 HELD_DAEMON = """
 import asyncio, sys
-from standin_kit import hello_then_hold
+from standin_kit import hello_then_say_and_hold
 async def main():
-    server = await asyncio.start_unix_server(hello_then_hold, sys.argv[1])
+    server = await asyncio.start_unix_server(hello_then_say_and_hold, sys.argv[1])
     print("ready", flush=True)
     async with server:
         await server.serve_forever()
@@ -915,28 +915,19 @@ def test_a_command_ended_by_sigterm_says_interrupted_and_exits_128_plus(tmp_path
     -15 and no `interrupted` error on stdout, which --json promises for a
     command a signal ended."""
     import signal
-    import time
 
     sock = str(tmp_path / "d.sock")
-    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
-    held = subprocess.Popen([sys.executable, "-c", HELD_DAEMON, sock], stdout=subprocess.PIPE,
-                            env={**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).parent)])})
-    try:
-        assert held.stdout.readline() == b"ready\n"
+    with _stand_in(HELD_DAEMON, sock) as (env, held):
         p = subprocess.Popen([sys.executable, "-m", "dsecd.cli", "--json", "--socket", sock, "exec", "sb1", "--",
                               "true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        time.sleep(1.0)                    # waiting for its request's answer by now
+        _wait_for_request(held, p)             # waiting for its answer now
         p.send_signal(getattr(signal, signame))
         out, err = p.communicate(timeout=10)
-        signum = getattr(signal, signame)
-        assert p.returncode == 128 + signum, (p.returncode, err)
-        error = json.loads(out)["error"]
-        assert error["code"] == "interrupted" and error["detail"]["signal"] == signame, out
-        assert f"interrupted ({signame})".encode() in err
-    finally:
-        held.kill()
-        held.wait()
-        held.stdout.close()
+    signum = getattr(signal, signame)
+    assert p.returncode == 128 + signum, (p.returncode, err)
+    error = json.loads(out)["error"]
+    assert error["code"] == "interrupted" and error["detail"]["signal"] == signame, out
+    assert f"interrupted ({signame})".encode() in err
 
 
 @pytest.mark.parametrize("words", [["exec", "sb1", "--", "true"], ["cp", "/etc/hostname", "sb1:/tmp/x"], ["ps"]])
@@ -945,28 +936,19 @@ def test_a_command_ended_by_ctrl_c_says_interrupted_and_exits_130(tmp_path, word
     user could not tell it from a command that failed on its own. One line
     says what ended it, and no traceback."""
     import signal
-    import time
 
     sock = str(tmp_path / "d.sock")
-    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
-    held = subprocess.Popen([sys.executable, "-c", HELD_DAEMON, sock], stdout=subprocess.PIPE,
-                            env={**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).parent)])})
-    try:
-        assert held.stdout.readline() == b"ready\n"
+    with _stand_in(HELD_DAEMON, sock) as (env, held):
         # As a terminal's ^C finds it: a shell's background job (as pytest may
         # be) ignores SIGINT, and a Python started so never sees one.
         p = subprocess.Popen([sys.executable, "-m", "dsecd.cli", "--socket", sock, *words], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, env=env,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        time.sleep(1.0)                    # waiting for its request's answer by now
+        _wait_for_request(held, p)             # waiting for its answer now
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=10)
-        assert p.returncode == 130, (p.returncode, err)
-        assert err == f"dsec {words[0]}: interrupted (SIGINT)\n".encode(), err
-    finally:
-        held.kill()
-        held.wait()
-        held.stdout.close()
+    assert p.returncode == 130, (p.returncode, err)
+    assert err == f"dsec {words[0]}: interrupted (SIGINT)\n".encode(), err
 
 
 def test_a_timeout_takes_a_duration_as_a_ttl_does():
@@ -995,6 +977,7 @@ from dsecd import protocol
 from standin_kit import serving
 async def answer(frame, writer):
     op, rid = frame["op"], frame["id"]
+    print("request", op, flush=True)
     if op == "inspect":
         writer.write(protocol.encode_frame({"id": rid, "result": {"id": "0123456789ab", "state": "running"}}))
     elif op == "file_stat" or (op == "file_remove" and sys.argv[2:] == ["removes"]):
@@ -1011,18 +994,40 @@ asyncio.run(main())
 
 @contextlib.contextmanager
 def _stand_in(script: str, sock: str, *args: str):
-    """A stand-in daemon (`script`, on `sock`) while the block runs; the env a
-    dsec process run against it takes."""
+    """A stand-in daemon (`script`, on `sock`) while the block runs: the env a
+    dsec process run against it takes, and the stand-in's process (whose
+    stdout says "request OP" as each request comes: _wait_for_request)."""
     env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
     held = subprocess.Popen([sys.executable, "-c", script, sock, *args], stdout=subprocess.PIPE,
                             env={**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).parent)])})
     try:
         assert held.stdout.readline() == b"ready\n"
-        yield env
+        yield env, held
     finally:
         held.kill()
         held.wait()
         held.stdout.close()
+
+
+def _wait_for_request(held: subprocess.Popen, client: subprocess.Popen, op: str | None = None,
+                      timeout: float = 60.0) -> None:
+    """Until the stand-in `held` says a request `op` (any op: None) came
+    from `client`, a dsec process: by then its signal handlers are in place
+    and it waits for the answer. A fixed sleep in its place raced the
+    client's start-up (a second and more on a loaded host)."""
+    import select
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if client.poll() is not None:
+            raise AssertionError(f"dsec ended before its request: {client.returncode}, {client.stderr.read()!r}")
+        if select.select([held.stdout], [], [], 0.1)[0]:
+            words = held.stdout.readline().split()
+            assert words[:1] == [b"request"], words
+            if op is None or words[1:] == [op.encode()]:
+                return
+    raise AssertionError(f"no {op or 'request'} came from dsec within {timeout} s")
 
 
 def _ends_within(p: subprocess.Popen, t0: float, seconds: float) -> None:
@@ -1049,12 +1054,12 @@ def test_a_second_sigterm_ends_a_command_whose_clean_up_waits(tmp_path):
     sock = str(tmp_path / "d.sock")
     src = tmp_path / "f"
     src.write_bytes(b"x" * 1000)
-    with _stand_in(WRITE_HELD_DAEMON, sock) as env:
+    with _stand_in(WRITE_HELD_DAEMON, sock) as (env, held):
         p = subprocess.Popen([sys.executable, "-m", "dsecd.cli", "--socket", sock, "cp", str(src), "sb1:/work/f"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        time.sleep(1.0)                    # its first chunk sent, waiting for the answer by now
+        _wait_for_request(held, p, "file_write")      # its first chunk sent, waiting for the answer
         p.send_signal(signal.SIGTERM)
-        time.sleep(1.0)                    # cancelled, removing its temporary file
+        _wait_for_request(held, p, "file_remove")     # cancelled, removing its temporary file
         assert p.poll() is None, p.communicate()
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
@@ -1075,12 +1080,13 @@ def test_a_copy_from_a_fifo_nobody_writes_ends_at_sigterm(tmp_path, writer_opens
     os.mkfifo(fifo)
     writer = None
     try:
-        with _stand_in(WRITE_HELD_DAEMON, sock, "removes") as env:
+        with _stand_in(WRITE_HELD_DAEMON, sock, "removes") as (env, held):
             p = subprocess.Popen([sys.executable, "-m", "dsecd.cli", "--socket", sock, "cp", str(fifo),
                                   "sb1:/work/f"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
             if writer_opens:
                 writer = os.open(fifo, os.O_WRONLY)      # open, and silent: the copy waits on its first read
-            time.sleep(1.0)
+            _wait_for_request(held, p)
+            time.sleep(0.5)                              # on to the FIFO, whose read or open then waits
             t0 = time.monotonic()
             p.send_signal(signal.SIGTERM)
             _ends_within(p, t0, 3)
