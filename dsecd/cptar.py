@@ -319,7 +319,9 @@ def _retar(src, top: str, fd: int) -> None:
             m.name = posixpath.join(top, rel) if top else rel or "."
             if m.islnk():
                 m.linkname = posixpath.join(top, tarsafe.entry_name(m.linkname))
+            mtime_ns = tarsafe.mtime_ns(m)
             m.pax_headers = {}              # its old path would name it still; the writer adds what it needs
+            tarsafe.set_mtime_ns(m, mtime_ns)       # the fraction as the daemon's record had it, not a float's
             tout.addfile(m, tin.extractfile(m) if m.isreg() else None)
 
 

@@ -88,7 +88,7 @@ def unpack(src, dst: str, max_entries: int = 10**7, max_bytes: int = 1 << 62,
     tmp = os.path.join(parent, f".dsec-get-{secrets.token_hex(6)}")
     os.mkdir(tmp, 0o700)
     seen = tarsafe.Seen(max_entries, max_bytes)
-    dir_modes: dict[str, tuple[int, float]] = {}
+    dir_modes: dict[str, tuple[int, int]] = {}     # rel -> (mode, mtime in ns)
     try:
         with tarfile.open(fileobj=src, mode="r|") as tf:
             for m in tf:
@@ -103,20 +103,20 @@ def unpack(src, dst: str, max_entries: int = 10**7, max_bytes: int = 1 << 62,
                     dir_modes.pop(rel, None)
                 if m.isdir():
                     os.makedirs(path, 0o700, exist_ok=True)
-                    dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, m.mtime)
+                    dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, tarsafe.mtime_ns(m))
                     continue
                 os.makedirs(os.path.dirname(path), 0o700, exist_ok=True)
                 if m.issym():
                     os.symlink(m.linkname, path)
-                    os.utime(path, (m.mtime, m.mtime), follow_symlinks=False)
+                    os.utime(path, ns=(tarsafe.mtime_ns(m),) * 2, follow_symlinks=False)
                 elif m.islnk():
                     os.link(_below(tmp, tarsafe.entry_name(m.linkname)), path, follow_symlinks=False)
                 else:
                     _write(tf.extractfile(m), path, m)
-        for rel, (mode, mtime) in sorted(dir_modes.items(), key=lambda kv: -kv[0].count("/") - bool(kv[0])):
+        for rel, (mode, mtime_ns) in sorted(dir_modes.items(), key=lambda kv: -kv[0].count("/") - bool(kv[0])):
             path = _below(tmp, rel)
             os.chmod(path, mode)
-            os.utime(path, (mtime, mtime))
+            os.utime(path, ns=(mtime_ns, mtime_ns))
         if "" not in dir_modes:
             os.chmod(tmp, 0o755)
         _check_stop(stop)
@@ -172,4 +172,4 @@ def _write(data, path: str, m: tarfile.TarInfo) -> None:
                  m.mode & tarsafe.KEPT_MODE)
     with os.fdopen(fd, "wb") as out:
         shutil.copyfileobj(data, out, READ)
-    os.utime(path, (m.mtime, m.mtime))
+    os.utime(path, ns=(tarsafe.mtime_ns(m),) * 2)

@@ -20,11 +20,15 @@ fails there too: "Cannot open: File exists"), and is refused.
 
 from __future__ import annotations
 
+import decimal
+import math
 import stat
 import tarfile
 from dataclasses import dataclass, field
 
 KEPT_MODE = 0o1777          # permission bits and sticky; setuid/setgid are refused
+NS = 10**9
+MAX_NS = 2**63              # os.utime's ns and the guest's signed u64 hold less
 
 
 class Refused(ValueError):
@@ -132,6 +136,42 @@ def check(m: tarfile.TarInfo, seen: Seen) -> str:
     seen.replaces = prior
     (seen.dirs if m.isdir() else seen.files if m.isreg() or m.islnk() else seen.others).add(rel)
     return rel
+
+
+def mtime_ns(m: tarfile.TarInfo) -> int:
+    """A member's mtime in nanoseconds, exactly: its pax `mtime` record's
+    decimal (GNU tar, bsdtar and the daemon's copies out write one with a
+    fraction; tarfile reads it as a float, which at today's times is off by
+    up to a few hundred nanoseconds), digits past the nanosecond dropped
+    (toward the past, as GNU tar takes them). A record that is no number,
+    or no time a nanosecond count holds (past 2262), is the header's as
+    tarfile read it."""
+    record = m.pax_headers.get("mtime")
+    if record is not None:
+        try:
+            value = decimal.Decimal(record)
+            # Bounded before the conversion: "1e999999999" would make an int of a billion digits.
+            if value.is_finite() and abs(value) < MAX_NS // NS:
+                return int((value * NS).to_integral_value(decimal.ROUND_FLOOR))
+        except decimal.InvalidOperation:
+            pass
+    return round(m.mtime * NS) if math.isfinite(m.mtime) else 0
+
+
+def set_mtime_ns(info: tarfile.TarInfo, ns: int) -> None:
+    """Give a member to be written the mtime `ns`: whole seconds in its
+    header (toward zero, as int(st_mtime)), and where there is a fraction a
+    pax `mtime` record of the exact decimal, as GNU tar's posix format
+    writes it. An mtime of whole seconds gets no record: a pax header costs
+    1 KiB of the stream (tarfile writes one for a time before 1970 all the
+    same, which ustar's field cannot hold)."""
+    sec = -(-ns // NS) if ns < 0 else ns // NS
+    info.mtime = sec
+    if ns % NS:
+        frac = f"{abs(ns) % NS:09d}".rstrip("0")
+        info.pax_headers["mtime"] = f"{'-' if ns < 0 else ''}{abs(ns) // NS}.{frac}"
+    else:
+        info.pax_headers.pop("mtime", None)
 
 
 def _what(m: tarfile.TarInfo) -> str:

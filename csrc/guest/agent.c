@@ -174,8 +174,10 @@ enum {
  * argv takes its records' mtimes as signed nanoseconds (the host sends a
  * negative mtime to no older agent, nor "ns": one would take it as none).
  * 10: M_TAR sends xattrs of any size, and a copied-up file's user.* ones
- * from the image (what the host unpacks is the same as before). */
-#define AGENT_VERSION 10
+ * from the image (what the host unpacks is the same as before).
+ * 11: a copy out (tar_get_main) gives an mtime's fraction in a pax record
+ * (an older agent's tar has whole seconds; the host passes either on). */
+#define AGENT_VERSION 11
 #define MAX_LIST 100000
 
 static int chan = -1;   /* the virtio-serial port */
@@ -2996,12 +2998,29 @@ static void tar_header(struct tarw *t, const char *name, char type, const struct
         int k = snprintf(num, sizeof(num), "%llu", (unsigned long long)size);
         pax_record(&pax, "size", num, (size_t)k);
     }
-    /* Whole seconds, as the container backend's copy stores them (Python's
-     * int(st_mtime): toward zero); one that ustar's unsigned field cannot
-     * hold (before 1970) as a pax record, as Python's tarfile writes it. */
+    /* Whole seconds in the header (toward zero, as the container backend's
+     * copy stores them: Python's int(st_mtime)). A copy out's mtime with a
+     * fraction also goes as a pax record of its exact decimal, as GNU tar
+     * writes it (and the container backend: tarsafe.set_mtime_ns); one of
+     * whole seconds gets none, a pax header costing 1 KiB of the stream.
+     * The writable layer's tar keeps whole seconds. One that ustar's
+     * unsigned field cannot hold (before 1970) as a pax record, as Python's
+     * tarfile writes it. */
     long long mtime = (long long)st->st_mtim.tv_sec + (st->st_mtim.tv_sec < 0 && st->st_mtim.tv_nsec > 0);
 
-    if (mtime < 0 || mtime > 077777777777ll) {
+    if (t->copy && st->st_mtim.tv_nsec > 0) {
+        /* tv_sec + tv_nsec / 10^9, e.g. -2 s + 0.5 s as -1.5 */
+        int neg = st->st_mtim.tv_sec < 0;
+        unsigned long long sec = neg ? (unsigned long long)-(st->st_mtim.tv_sec + 1)
+                                     : (unsigned long long)st->st_mtim.tv_sec;
+        long nsec = neg ? 1000000000L - st->st_mtim.tv_nsec : st->st_mtim.tv_nsec;
+        char num[40];
+        int k = snprintf(num, sizeof(num), "%s%llu.%09ld", neg ? "-" : "", sec, nsec);
+
+        while (num[k - 1] == '0')
+            k--;
+        pax_record(&pax, "mtime", num, (size_t)k);
+    } else if (mtime < 0 || mtime > 077777777777ll) {
         char num[24];
         int k = snprintf(num, sizeof(num), "%lld", mtime);
         pax_record(&pax, "mtime", num, (size_t)k);

@@ -297,7 +297,7 @@ class TreeTar:
         info = tarfile.TarInfo(rel or ".")
         info.type, info.size, info.linkname = kind, size, link
         info.mode = stat.S_IMODE(st.st_mode) & tarsafe.KEPT_MODE
-        info.mtime = int(st.st_mtime)
+        tarsafe.set_mtime_ns(info, st.st_mtime_ns)        # its fraction too, in a pax record
         info.uid = info.gid = 0
         info.uname = info.gname = ""
         return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")

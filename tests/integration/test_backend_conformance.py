@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import re
 import shutil
+import subprocess
 import tarfile
 import threading
 import time
@@ -345,8 +347,9 @@ def test_mtimes_before_1970_and_below_a_second_go_through_copies_both_ways(box, 
     """A pax tar's mtimes, before 1970 and fractional, are what the copy in
     sets (a microVM's agent took whole seconds, one before 1970 as 0, and a
     container kept its own mtime for a directory entry's before 1970); a
-    copy out stores whole seconds (toward zero, as int(st_mtime)), those
-    before 1970 too (a microVM's tar said 0); file_set_attrs sets one too."""
+    copy out gives them back, fractions and those before 1970 in pax
+    records (a microVM's tar said 0 before 1970, and both whole seconds);
+    file_set_attrs sets one too."""
     _, sb, _, _ = box
     spool = io.BytesIO()
     with tarfile.open(fileobj=spool, mode="w", format=tarfile.PAX_FORMAT) as tf:
@@ -366,11 +369,73 @@ def test_mtimes_before_1970_and_below_a_second_go_through_copies_both_ways(box, 
         r = daemon.cli("cp", f"{sb.id}:/work/copied/.", "-")
         assert r.returncode == 0, r.stderr
         out = {m.name.removeprefix("./"): m.mtime for m in tarfile.open(fileobj=io.BytesIO(r.stdout))}
-        assert {k: out[k] for k in got} == {"d": -1000, "d/old": -100, "d/new": 1600000000, "d/ln": -50}, out
+        assert {k: out[k] for k in got} == {"d": -1000, "d/old": -100.25, "d/new": 1600000000.5, "d/ln": -50}, out
         sb.set_attrs("/work/copied/d/new", mtime=-12.5)
         assert sb.stat("/work/copied/d/new")["mtime"] == -12.5
     finally:
         sb.remove("/work/copied", recursive=True)
+
+
+SUBSECOND = 981173106.123456789         # 2001-02-03 04:05:06.123456789 UTC
+NS = 10**9
+
+
+def _mtimes_ns(top) -> dict:
+    return {rel: os.lstat(os.path.join(top, rel)).st_mtime_ns for rel in ("", "d", "d/f", "d/link", "whole")}
+
+
+def _pax_headers(data: bytes) -> int:
+    """How many pax extended headers the tar holds: the blocks that are
+    neither a member's own header nor its data come two to a header."""
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r|") as tf:
+        own = sum(1 + (m.size + tarfile.BLOCKSIZE - 1) // tarfile.BLOCKSIZE for m in tf)
+        return (tf.offset // tarfile.BLOCKSIZE - own) // 2
+
+
+def test_a_copy_out_keeps_mtimes_to_the_nanosecond(box, daemon, tmp_path):
+    """A copy out gives a file's, a directory's and a symlink's mtime to the
+    nanosecond (both backends' tar said whole seconds): the SDK's
+    download_dir, `dsec cp -r SB:/dir DIR` (a new directory, or merged
+    into one that exists) and the tar of `dsec cp SB:/dir -`, which GNU tar
+    lists with its fraction. An entry of whole seconds costs no pax header."""
+    _, sb, _, _ = box
+    top = "/work/subsec"
+    sb.mkdir(f"{top}/d", parents=True)
+    try:
+        sb.write_file(f"{top}/d/f", b"data")
+        sb.set_attrs(f"{top}/d/f", mtime=SUBSECOND)
+        # busybox touch takes no fraction, but -r copies one whole, -h onto a symlink.
+        assert sb.exec(["sh", "-c", f"cd {top} && ln -s f d/link && touch -h -r d/f d/link && touch -r d/f d "
+                                    "&& echo x > whole && touch -d '2001-02-03 04:05:06' whole "
+                                    "&& touch -r d/f ."]).exit_code == 0
+        want = int(SUBSECOND * 1e9)          # as file_set_attrs sets it
+        shown = sb.exec(["stat", "-c", "%y", f"{top}/d/link"]).stdout.decode()
+        assert f".{want % NS:09d} " in shown, (shown, want)         # what the sandbox holds
+        expected = {"": want, "d": want, "d/f": want, "d/link": want, "whole": want // NS * NS}
+
+        sb.download_dir(top, str(tmp_path / "sdk"))
+        assert _mtimes_ns(tmp_path / "sdk") == expected
+        r = daemon.cli("cp", "-r", f"{sb.id}:{top}", str(tmp_path / "cli"))
+        assert r.returncode == 0, r.stderr
+        assert _mtimes_ns(tmp_path / "cli") == expected
+        os.makedirs(tmp_path / "merge" / "subsec" / "d")
+        r = daemon.cli("cp", "-r", f"{sb.id}:{top}", str(tmp_path / "merge"))
+        assert r.returncode == 0, r.stderr
+        assert _mtimes_ns(tmp_path / "merge" / "subsec") == expected
+
+        r = daemon.cli("cp", f"{sb.id}:{top}", "-")
+        assert r.returncode == 0, r.stderr
+        assert _pax_headers(r.stdout) == 4, "subsec, d, d/f and d/link have a fraction; whole has none"
+        (tmp_path / "out.tar").write_bytes(r.stdout)
+        listed = subprocess.run(["tar", "--full-time", "-tvf", str(tmp_path / "out.tar")], capture_output=True,
+                                text=True, env={**os.environ, "TZ": "UTC"})
+        assert listed.returncode == 0 and not listed.stderr, listed.stderr
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(want // NS)) + f".{want % NS:09d}"
+        for name in ("subsec/", "subsec/d/", "subsec/d/f", "subsec/d/link -> f"):
+            assert f" {when} {name}\n" in listed.stdout, listed.stdout
+        assert re.search(r" 2001-02-03 04:05:06 +subsec/whole$", listed.stdout, re.M), listed.stdout
+    finally:
+        sb.remove(top, recursive=True)
 
 
 def test_a_symlinks_stat_gives_its_target_and_follows_on_request(box, daemon, tmp_path):

@@ -60,6 +60,9 @@ STAT_FOLLOW = 1
 # as a time past 2262 or as none: such a request is refused or clamped.
 TIMES_AGENT_VERSION = 9
 PUT_NO_MTIME = 1 << 63
+# From version 11 a copy out's tar gives an mtime's fraction in a pax record
+# (an older agent's has whole seconds): nothing the host asks for, it passes
+# the tar on either way.
 TRACE_FD = 3
 WRITE_APPEND, WRITE_KEEP, WRITE_PARENTS = 1, 2, 4
 RENAME_OVERWRITE, RENAME_KEEP_ATTRS = 1, 2

@@ -1,0 +1,132 @@
+"""A copy out of a sandbox keeps mtimes to the nanosecond, as GNU tar does
+with a pax `mtime` record (a decimal with a fraction): the container
+backend's tar of a tree (dsecd/fs/tarcopy.py TreeTar, run against a plain
+directory as the root), the SDK's unpack of one (dsecd/localcopy.py) and
+the tar `dsec cp SB:/dir -` writes (dsecd/cptar.py). An entry of whole
+seconds gets no pax header: each costs 1 KiB of the stream."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import tarfile
+
+import pytest
+
+from dsecd import cptar, localcopy, tarsafe
+from dsecd.fs import tarcopy
+
+NS = 10**9
+FRACTION = 981173106_123456789           # 2001-02-03 04:05:06.123456789 UTC
+WHOLE = 981173106 * NS
+BEFORE_1970 = -100 * NS - 250_000_000    # -100.25 s
+SHOWN = "2001-02-03 04:05:06.123456789"  # as tar --full-time lists FRACTION in UTC
+
+
+def _tree(root) -> str:
+    """top/{d/f, d/link -> f, whole, old}: top, d, f and link at FRACTION."""
+    top = os.path.join(root, "top")
+    os.makedirs(os.path.join(top, "d"))
+    for name, ns in (("d/f", FRACTION), ("whole", WHOLE), ("old", BEFORE_1970)):
+        with open(os.path.join(top, name), "wb") as f:
+            f.write(b"data")
+        os.utime(os.path.join(top, name), ns=(ns, ns))
+    os.symlink("f", os.path.join(top, "d", "link"))
+    os.utime(os.path.join(top, "d", "link"), ns=(FRACTION, FRACTION), follow_symlinks=False)
+    for d in ("d", ""):
+        os.utime(os.path.join(top, d), ns=(FRACTION, FRACTION))
+    return top
+
+
+def _tree_tar(root) -> bytes:
+    top = _tree(root)
+    tar = tarcopy.TreeTar(os.open("/", os.O_RDONLY | os.O_DIRECTORY), top, 1 << 20, 100, 1 << 20)
+    try:
+        out = b""
+        while data := tar.read():
+            out += data
+    finally:
+        tar.close()
+    return out
+
+
+def _pax_headers(data: bytes) -> int:
+    """How many pax extended headers (typeflag 'x') the tar holds."""
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r|") as tf:
+        members = list(tf)
+        blocks = tf.offset // tarfile.BLOCKSIZE
+    # Each member's own header and data blocks, the rest are pax headers and their records.
+    own = sum(1 + (m.size + tarfile.BLOCKSIZE - 1) // tarfile.BLOCKSIZE for m in members)
+    return (blocks - own) // 2
+
+
+def _listed(data: bytes, tmp_path) -> str:
+    path = tmp_path / "out.tar"
+    path.write_bytes(data)
+    r = subprocess.run(["tar", "--full-time", "-tvf", str(path)], capture_output=True, text=True,
+                       env={**os.environ, "TZ": "UTC"}, check=True)
+    assert not r.stderr, r.stderr
+    return r.stdout
+
+
+def test_a_tree_tar_keeps_the_nanoseconds_in_pax_records_only_where_there_is_a_fraction(tmp_path):
+    data = _tree_tar(tmp_path)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r|") as tf:
+        got = {m.name: tarsafe.mtime_ns(m) for m in tf}
+    assert got == {".": FRACTION, "d": FRACTION, "d/f": FRACTION, "d/link": FRACTION, "old": BEFORE_1970,
+                   "whole": WHOLE}, got
+    # top, d, d/f, d/link, old (before 1970: a record, as before); none for whole.
+    assert _pax_headers(data) == 5
+    listing = _listed(data, tmp_path)
+    for name in ("./", "d/", "d/f", "d/link -> f"):
+        assert f"{SHOWN} {name}\n" in listing, listing
+
+
+def test_the_sdks_unpack_sets_the_nanoseconds_on_files_directories_and_symlinks(tmp_path):
+    data = _tree_tar(tmp_path / "src")
+    localcopy.unpack(io.BytesIO(data), str(tmp_path / "copy"))
+    got = {rel: os.lstat(tmp_path / "copy" / rel).st_mtime_ns for rel in ("", "d", "d/f", "d/link", "whole", "old")}
+    assert got == {"": FRACTION, "d": FRACTION, "d/f": FRACTION, "d/link": FRACTION, "whole": WHOLE,
+                   "old": BEFORE_1970}, got
+
+
+def test_the_sdks_unpack_sets_the_nanoseconds_of_a_gnu_tar_pax_archive(tmp_path):
+    top = _tree(tmp_path / "src")
+    data = subprocess.run(["tar", "--format=posix", "-cf", "-", "-C", top, "."], capture_output=True,
+                          check=True).stdout
+    localcopy.unpack(io.BytesIO(data), str(tmp_path / "copy"))
+    got = {rel: os.lstat(tmp_path / "copy" / rel).st_mtime_ns for rel in ("", "d", "d/f", "d/link", "whole")}
+    assert got == {"": FRACTION, "d": FRACTION, "d/f": FRACTION, "d/link": FRACTION, "whole": WHOLE}, got
+
+
+def test_the_tar_dsec_cp_writes_to_stdout_keeps_the_nanoseconds(tmp_path):
+    data = _tree_tar(tmp_path / "src")
+    out = tmp_path / "renamed.tar"
+    with open(out, "wb") as f:
+        cptar._retar(io.BytesIO(data), "top", f.fileno())
+    with tarfile.open(out) as tf:
+        got = {m.name: tarsafe.mtime_ns(m) for m in tf}
+    assert got == {"top": FRACTION, "top/d": FRACTION, "top/d/f": FRACTION, "top/d/link": FRACTION,
+                   "top/old": BEFORE_1970, "top/whole": WHOLE}, got
+    assert _pax_headers(out.read_bytes()) == 5
+    listing = _listed(out.read_bytes(), tmp_path)
+    for name in ("top/", "top/d/", "top/d/f", "top/d/link -> f"):
+        assert f"{SHOWN} {name}\n" in listing, listing
+
+
+@pytest.mark.parametrize("record, ns", [("981173106.123456789", FRACTION), ("981173106", WHOLE),
+                                        ("-100.25", BEFORE_1970), ("981173106.1234567891", FRACTION),
+                                        ("-0.000000001", -1)])
+def test_a_pax_mtime_record_is_read_to_the_nanosecond(record, ns):
+    m = tarfile.TarInfo("f")
+    m.pax_headers = {"mtime": record}
+    m.mtime = float(record)         # as tarfile's reader sets it
+    assert tarsafe.mtime_ns(m) == ns
+
+
+def test_a_pax_mtime_record_that_is_no_number_falls_back_to_the_header():
+    m = tarfile.TarInfo("f")
+    m.pax_headers = {"mtime": "soon"}
+    m.mtime = 0                     # tarfile's reader takes such a record as 0
+    assert tarsafe.mtime_ns(m) == 0
