@@ -4580,7 +4580,15 @@ static void mount_root(void)
     upperfd = open("/rw/upper", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (upperfd < 0)
         die("open the writable layer");
-    snprintf(opt, sizeof(opt), "lowerdir=%s,upperdir=/rw/upper,workdir=/rw/work", lower);
+    /* redirect_dir=follow, metacopy=off whatever the guest kernel defaults
+     * to (CONFIG_OVERLAY_FS_REDIRECT_DIR, _METACOPY): the upper dir becomes
+     * a layer (a snapshot's tar, M_TAR), which keeps no redirect and no
+     * metacopy (tar_xattr_kept), so a renamed image directory would lose
+     * its unchanged files and a chmod'ed image file its data. With these, a
+     * rename of an image directory gets EXDEV (mv copies) and a chmod copies
+     * the data up, as in a container's overlay (dsecd/native.py). */
+    snprintf(opt, sizeof(opt), "lowerdir=%s,upperdir=/rw/upper,workdir=/rw/work,redirect_dir=follow,metacopy=off",
+             lower);
     if (mount("overlay", "/newroot", "overlay", 0, opt) < 0)
         die("mount the overlay root");
     mkdirs((const char *const[]){"/newroot/proc", "/newroot/dev", "/newroot/tmp", "/newroot/sys", NULL});

@@ -329,6 +329,30 @@ def test_a_second_snapshot_of_a_vm_has_its_changes(vm_client):
             vm_client.request("image_rm", name=name)
 
 
+def test_a_vm_snapshot_keeps_a_renamed_image_directory_whole(vm_client):
+    """A rename of an image directory and a chmod of an image file in a VM:
+    the guest's overlay makes no redirect and no metacopy (the agent mounts
+    it redirect_dir=follow,metacopy=off, whatever the guest kernel's
+    defaults), so the snapshot's layer holds the moved files and the file's
+    data whole, which its tar keeps (it drops overlay's bookkeeping)."""
+    sb = _vm(vm_client)
+    try:
+        r = sb.exec(["sh", "-c", "set -e; mv /etc /etc2 && chmod 4755 /bin/busybox && ls /etc2 | wc -l"])
+        assert r.exit_code == 0, r.stderr
+        listed = r.stdout
+        sb.snapshot("vm-snap-moved")
+    finally:
+        sb.destroy()
+    box = vm_client.create("vm-snap-moved", memory="64M")
+    try:
+        r = box.exec(["/bin/busybox", "sh", "-c", "ls /etc2 | wc -l; [ -e /etc ] || echo gone; "
+                      "/bin/busybox stat -c %a /bin/busybox"])
+        assert r.stdout == listed + b"gone\n4755\n", (r.stdout, r.stderr)
+    finally:
+        box.destroy()
+        vm_client.request("image_rm", name="vm-snap-moved")
+
+
 def test_a_vms_processes_do_not_see_its_snapshot(vm_client):
     """The guest's processes hold still while the agent reads the writable
     layer the way a container's do (the freezer): a process its user had
