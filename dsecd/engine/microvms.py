@@ -1265,18 +1265,18 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None,
     seen = tarsafe.Seen(max_entries, max_bytes)
     out = bytearray()
     made = {""}
-    dir_modes: dict[str, tuple[int, float | None]] = {"": (0o755, None)}
+    dir_modes: dict[str, tuple[int, int | None]] = {"": (0o755, None)}     # mtimes in ns
     ns_times = agent_version >= wire.TIMES_AGENT_VERSION
 
-    def stamp_of(mtime: float | None) -> int:
+    def stamp_of(mtime_ns: int | None) -> int:
         if ns_times:
-            return wire.PUT_NO_MTIME if mtime is None else wire.ns_field(mtime)
-        return 2**64 - 1 if mtime is None else max(0, int(mtime))
+            return wire.PUT_NO_MTIME if mtime_ns is None else mtime_ns & (2**64 - 1)
+        return 2**64 - 1 if mtime_ns is None else max(0, mtime_ns // 10**9)
 
-    def record(kind: bytes, rel: str, mode: int = 0, mtime: float | None = None, data: bytes = b"",
+    def record(kind: bytes, rel: str, mode: int = 0, mtime_ns: int | None = None, data: bytes = b"",
                size: int | None = None) -> None:
         name = rel.encode(errors="surrogateescape")
-        stamp = stamp_of(mtime)
+        stamp = stamp_of(mtime_ns)
         out.extend(kind + struct.pack(">I", len(name)) + name
                    + struct.pack(">IQQ", mode, stamp, len(data) if size is None else size) + data)
         if len(out) >= PUT_CHUNK:
@@ -1310,7 +1310,7 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None,
                 made.discard(rel)
                 dir_modes.pop(rel, None)
             if m.isdir():
-                dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, m.mtime)
+                dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, tarsafe.mtime_ns(m))
                 make_dirs(rel)
                 continue
             make_dirs(rel.rpartition("/")[0])
@@ -1318,7 +1318,7 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None,
                 if room is not None and m.size >= PUT_CHECK_BYTES:
                     flush()
                     room(m.size)
-                record(b"f", rel, m.mode & tarsafe.KEPT_MODE, m.mtime, size=m.size)
+                record(b"f", rel, m.mode & tarsafe.KEPT_MODE, tarsafe.mtime_ns(m), size=m.size)
                 src = tf.extractfile(m)
                 left = m.size
                 while left:
@@ -1330,7 +1330,7 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None,
                     if len(out) >= PUT_CHUNK:
                         flush()
             elif m.issym():
-                record(b"s", rel, 0, m.mtime, m.linkname.encode(errors="surrogateescape"))
+                record(b"s", rel, 0, tarsafe.mtime_ns(m), m.linkname.encode(errors="surrogateescape"))
             else:
                 record(b"h", rel, data=tarsafe.entry_name(m.linkname).encode(errors="surrogateescape"))
         tarsafe.check_end(tf)

@@ -113,7 +113,7 @@ def dir_entries(seen: tarsafe.Seen, budget: int) -> list[list] | None:
 def _extract_into(pfd: int, tmp: str, fileobj, seen: tarsafe.Seen, fill) -> dict:
     fileobj = _Head(fileobj)
     topfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
-    dir_modes: dict[str, tuple[int, float | None]] = {"": (0o755, None)}   # None: keeps its own mtime
+    dir_modes: dict[str, tuple[int, int | None]] = {"": (0o755, None)}   # ns; None: keeps its own mtime
     made = {""}
     try:
         with tarfile.open(fileobj=fileobj, mode="r|", errorlevel=2, tarinfo=tarsafe.Member) as tf:
@@ -126,7 +126,7 @@ def _extract_into(pfd: int, tmp: str, fileobj, seen: tarsafe.Seen, fill) -> dict
                     made.discard(rel)
                     dir_modes.pop(rel, None)
                 if m.isdir():
-                    dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, m.mtime)
+                    dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, tarsafe.mtime_ns(m))
                     _make_dirs(topfd, rel, made)
                     continue
                 _make_dirs(topfd, rel.rpartition("/")[0], made)
@@ -204,17 +204,17 @@ def _extract_one(topfd: int, rel: str, m: tarfile.TarInfo, tf: tarfile.TarFile, 
             finally:
                 os.close(sfd)
             return
-        os.utime(leaf, ns=(int(m.mtime * 1e9),) * 2, dir_fd=dfd, follow_symlinks=False)
+        os.utime(leaf, ns=(tarsafe.mtime_ns(m),) * 2, dir_fd=dfd, follow_symlinks=False)
     finally:
         os.close(dfd)
 
 
-def _set_dir(topfd: int, rel: str, mode: int, mtime: float | None) -> None:
+def _set_dir(topfd: int, rel: str, mode: int, mtime_ns: int | None) -> None:
     fd = os.dup(topfd) if not rel else native.openat2(topfd, rel, os.O_RDONLY | os.O_DIRECTORY, 0, BENEATH)
     try:
         os.fchmod(fd, mode)
-        if mtime is not None:         # an entry's, before 1970 too
-            os.utime(fd, ns=(int(mtime * 1e9),) * 2)
+        if mtime_ns is not None:      # an entry's, before 1970 too
+            os.utime(fd, ns=(mtime_ns,) * 2)
     finally:
         os.close(fd)
 

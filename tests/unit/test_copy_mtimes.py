@@ -3,18 +3,24 @@ with a pax `mtime` record (a decimal with a fraction): the container
 backend's tar of a tree (dsecd/fs/tarcopy.py TreeTar, run against a plain
 directory as the root), the SDK's unpack of one (dsecd/localcopy.py) and
 the tar `dsec cp SB:/dir -` writes (dsecd/cptar.py). An entry of whole
-seconds gets no pax header: each costs 1 KiB of the stream."""
+seconds gets no pax header: each costs 1 KiB of the stream. A copy in
+takes such a record to the nanosecond too: the container backend's
+unpack (tarcopy.put_tree) and the records a microVM's agent is sent
+(dsecd/engine/microvms.py _put_records)."""
 
 from __future__ import annotations
 
 import io
 import os
+import struct
 import subprocess
 import tarfile
 
 import pytest
 
 from dsecd import cptar, localcopy, tarsafe
+from dsecd.backends.microvm import wire
+from dsecd.engine.microvms import _put_records
 from dsecd.fs import tarcopy
 
 NS = 10**9
@@ -130,3 +136,50 @@ def test_a_pax_mtime_record_that_is_no_number_falls_back_to_the_header():
     m.pax_headers = {"mtime": "soon"}
     m.mtime = 0                     # tarfile's reader takes such a record as 0
     assert tarsafe.mtime_ns(m) == 0
+
+
+def _gnu_tar(root) -> bytes:
+    """_tree's tree as GNU tar's posix format archives it (pax mtime records)."""
+    return subprocess.run(["tar", "--format=posix", "-cf", "-", "-C", _tree(root), "."], capture_output=True,
+                          check=True).stdout
+
+
+def test_a_containers_copy_in_sets_the_nanoseconds_of_a_pax_archive(tmp_path):
+    """tarfile reads the record as a float: 04:05:06.123456789 became
+    .123456835 before the unpack read the record itself."""
+    data = _gnu_tar(tmp_path / "src")
+    (tmp_path / "root").mkdir()
+    fd = os.open(tmp_path / "root", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        tarcopy.put_tree(fd, "/copy", io.BytesIO(data), 100, 1 << 20)
+    finally:
+        os.close(fd)
+    copy = tmp_path / "root" / "copy"
+    got = {rel: os.lstat(copy / rel).st_mtime_ns for rel in ("", "d", "d/f", "d/link", "whole")}
+    assert got == {"": FRACTION, "d": FRACTION, "d/f": FRACTION, "d/link": FRACTION, "whole": WHOLE}, got
+
+
+def _stamps(stream: bytes) -> dict[str, int]:
+    """The mtime (ns, signed) of each record of a microVM put that has one:
+    kind, name, mode, stamp, size, then a file's data."""
+    stamps, at = {}, 0
+    while at < len(stream):
+        kind = stream[at:at + 1]
+        (n,) = struct.unpack_from(">I", stream, at + 1)
+        name = stream[at + 5:at + 5 + n].decode()
+        _mode, stamp, size = struct.unpack_from(">IQQ", stream, at + 5 + n)
+        at += 5 + n + 20 + (size if kind in (b"f", b"s", b"h") else 0)
+        if kind in (b"f", b"s", b"D") and stamp != wire.PUT_NO_MTIME:
+            stamps[name] = stamp - 2**64 if stamp >= 2**63 else stamp
+    return stamps
+
+
+def test_a_microvm_copy_in_sends_the_nanoseconds_of_a_pax_archive(tmp_path):
+    sent = bytearray()
+    _put_records(io.BytesIO(_gnu_tar(tmp_path / "src")), lambda data, eof: sent.extend(data), 100, 1 << 20,
+                 agent_version=wire.TIMES_AGENT_VERSION)
+    got = _stamps(bytes(sent))
+    assert {rel: got.get(rel) for rel in ("", "d", "d/f", "d/link", "whole", "old")} == {
+        "": FRACTION, "d": FRACTION, "d/f": FRACTION, "d/link": FRACTION, "whole": WHOLE,
+        "old": BEFORE_1970}, got
+
