@@ -149,6 +149,7 @@ class Node:
         self.workers = Workers(cfg.section("daemon")["worker_threads"])
         self.journal = Journal(state, fsync=cfg.section("journal")["fsync"], compact_with=self.workers.submit)
         self.registry = SandboxRegistry(self.journal)
+        self.registry.op_keys.orphan_s = self.limits["keyed_orphan_s"]
         self.events = EventBus(named=lambda sb_id: self.registry.named(sb_id).id)
         self.events.listeners.append(lifelog.on_event)        # a log line and counters per event
         self.policies = PolicyService(cfg.raw.get("policy", {}), features.landlock_abi)
@@ -279,7 +280,10 @@ class Node:
         # A pause or resume under way finishes and writes its record first
         # (a VM's save can take seconds), a cancelled snapshot thaws its
         # sandbox; one that does not end in time is finished or undone by
-        # the next daemon's re-adoption.
+        # the next daemon's re-adoption. Keyed requests whose client went
+        # (still running for its return) end as the others did at the
+        # server's stop.
+        self.registry.op_keys.close()
         left = await finish_under_way(STOP_WAIT_S)
         if left:
             log.warning("stopping with %d pause(s), resume(s) or snapshot(s) still under way after %.0f s; "
@@ -336,10 +340,11 @@ class Node:
         # files.temporary: file_write and file_tar_put take `temporary`;
         # image.list.stream: image_list takes `stream`; files.attrs:
         # file_set_attrs is served and file_tar_put takes `dirs` (an older
-        # daemon refuses a field or request it does not know).
+        # daemon refuses a field or request it does not know); op.keys:
+        # exec, proc_start and snapshot take `key` (dsecd/engine/opkeys.py).
         caps = ["exec.stream", "exec.stdin", "files", "files.watch", "files.tar", "files.temporary",
                 "backend.container", "image.dir", "backend.fncall", "proc", "frame.tail", "policy",
-                "image.list.stream", "files.attrs"]
+                "image.list.stream", "files.attrs", "op.keys"]
         if self.vms.backend is not None:
             caps.append("backend.microvm")
         return caps

@@ -315,6 +315,7 @@ class Snapshot:
     sandbox: str
     name: str
     exclude: list[str] = field(default_factory=list)
+    key: str | None = None   # idempotency key: sent again, answered with the image it made
 
 
 @request("image_list", stream=True)
@@ -408,6 +409,7 @@ class Exec:
     rows: int | None = None  # with pty: the initial window size (default 24 x 80)
     cols: int | None = None
     policy: str | dict[str, typing.Any] | None = None   # task policy (name or inline); None = the sandbox's
+    key: str | None = None   # idempotency key (stream=false): sent again, answered with the first run's result
 
 
 @request("exec_input")
@@ -444,6 +446,7 @@ class ProcStart:
     user: int | str | None = None   # as exec's
     stdin: bool = True       # a pipe fed by proc_input (open until eof); false: /dev/null
     policy: str | dict[str, typing.Any] | None = None   # task policy (name or inline); None = the sandbox's
+    key: str | None = None   # idempotency key: sent again, answered with the process it started
 
 
 @request("proc_list", states=PROC_STATES)
@@ -465,6 +468,10 @@ class ProcInput:
     pid: int
     data: bytes = b""
     eof: bool = False        # close its stdin after data
+    # Where `data` begins in all the input sent to its stdin (what earlier
+    # proc_inputs wrote): bytes of it already written are not written again,
+    # so an input sent again after a lost connection is safe. None: unchecked.
+    offset: int | None = None
 
 
 @request("proc_kill", states=PROC_STATES)

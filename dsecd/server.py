@@ -112,6 +112,14 @@ class RequestContext:
     def unregister_exec(self) -> None:
         self.conn.execs.pop(self.rid, None)
 
+    def why_cancelled(self) -> str:
+        """Why the request is being cancelled: "gone" (its client went: its
+        connection ended), "cancel" (a `cancel` request named it), else
+        "stop" (the daemon stops)."""
+        if self.conn.gone:
+            return "gone"
+        return "cancel" if self.rid in self.conn.cancels else "stop"
+
     async def exec_for(self, exec_id: int):
         """The running exec of request `exec_id` on this connection, or None;
         one not started yet is waited for (Connection.started)."""
@@ -229,6 +237,8 @@ class Connection:
         self.max_frame = server.max_frame
         self.peer = "?"
         self.client = ""
+        self.gone = False      # its client went: the requests still running are cancelled for that
+        self.cancels: set[int] = set()      # the requests a `cancel` named, while they end
 
     def send_nowait(self, frame: dict) -> None:
         if self.writer.is_closing():
@@ -452,6 +462,7 @@ class Connection:
             await self.send({"id": rid, "error": Internal(
                 f"{req.OP} failed: {type(err).__name__}: {err}; see the daemon log").to_wire()})
         finally:
+            self.cancels.discard(rid)
             if self.tasks.get(rid) is asyncio.current_task():
                 del self.tasks[rid]
                 self.begun(rid)          # an exec that ended before it started: its waiters go on
@@ -471,11 +482,14 @@ class Connection:
         io = self.execs.get(target)
         if io is not None:
             io.cancelled = True
+        self.cancels.add(target)
         task.cancel()
         return {"cancelled": target}
 
     async def _close(self) -> None:
-        # A vanished client's requests die with it: execs are killed, streams end.
+        # A vanished client's requests die with it: execs are killed, streams
+        # end; those under an idempotency key run on (dsecd/engine/opkeys.py).
+        self.gone = True
         for task in list(self.tasks.values()):
             task.cancel()
         if self.tasks:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -49,7 +48,7 @@ import secrets
 import tempfile
 import time
 from collections import deque
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 
 from .. import cgroup, imageconfig, protocol, userns
 from ..admission import CreateQueue
@@ -81,6 +80,7 @@ from .lifecycle import LifecycleService
 from .memory import MemoryService
 from .microvms import MicroVMService
 from .network import NetworkService
+from .opkeys import args_digest
 from .sandboxes import Sandbox, SandboxRegistry, in_root
 from .workers import Workers, to_the_end
 
@@ -191,31 +191,6 @@ def check_hostname(name: str) -> None:
                          "ending with a letter or digit (e.g. web-1 or db.internal)", {"hostname": name})
 
 
-def create_args_digest(req) -> str:
-    """A digest of a create's arguments besides its key, as sent: a retry of
-    the same create has the same (the SDK and the CLI send the same request
-    again), another create under the same key has not. Only the fields that
-    differ from their defaults count: a field a later daemon adds (with a
-    default) leaves the digests of journaled sandboxes as they were. (The
-    request's fields are flat: plain values, lists and dicts, taken as they
-    are; dataclasses.asdict's deep copy was ~50 us of the loop per call.)"""
-    args = {}
-    for name, default in _digested_fields(type(req)):
-        value = getattr(req, name)
-        if default is MISSING or value != default:
-            args[name] = value
-    return hashlib.sha256(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()[:32]
-
-
-@functools.cache
-def _digested_fields(cls) -> tuple[tuple[str, object], ...]:
-    """(name, default) of the fields of request type `cls` a key's digest
-    covers (all but `key`); MISSING as the default of a required field."""
-    return tuple((f.name, f.default if f.default is not MISSING
-                  else f.default_factory() if f.default_factory is not MISSING else MISSING)
-                 for f in fields(cls) if f.name != "key")
-
-
 def pool_name(image: str, cpu: float, memory: int) -> str:
     """`image` in its canonical form (ImageStore.key): `python:3.11` and
     `docker.io/library/python:3.11` are one pool. The shape is exact (memory
@@ -263,7 +238,7 @@ class CreateService:
         self._drain_path = cfg.state_dir / DRAIN_FILE
         self._pool_task: asyncio.Task | None = None
         self._refills: set[asyncio.Task] = set()
-        # key -> create_args_digest of the create under way that took it.
+        # key -> args_digest of the create under way that took it.
         self._key_args_creating: dict[str, str] = {}
         # Set by whoever builds the services (dsecd/node.py: CallService.drop_idle_for_create):
         # async (enough, drop, purpose) -> bool, dropping idle call sandboxes
@@ -380,7 +355,7 @@ class CreateService:
         self._refuse_if_drained()
         fut = self.workers.loop.create_future()
         keys[req.key] = fut
-        self._key_args_creating[req.key] = create_args_digest(req)
+        self._key_args_creating[req.key] = args_digest(req)
         try:
             result = await self._create_admitted(req)
         except BaseException as err:
@@ -402,7 +377,7 @@ class CreateService:
         """Conflict if `req` reuses its key with other arguments than the
         create that took it (`first`, for the message). A sandbox of an
         older daemon's create has no digest: taken as the same."""
-        if key_args is not None and key_args != create_args_digest(req):
+        if key_args is not None and key_args != args_digest(req):
             raise Conflict(f"create: key {req.key!r} was given to a create of other arguments ({first}); a key "
                            "stands for one create: give the same arguments to get its sandbox, or another key",
                            {"key": req.key})
@@ -625,7 +600,7 @@ class CreateService:
             sb.labels = dict(req.labels)
             settings.apply(sb)
             sb.ttl, sb.idle_ttl, sb.lease, sb.key = ttl, idle_ttl, lease, req.key
-            sb.key_args = create_args_digest(req) if req.key else None
+            sb.key_args = args_digest(req) if req.key else None
             sb.policy = self.policy_for_create(req.policy)
             sb.created = time.time()
             sb.last_active = time.monotonic()
@@ -1145,7 +1120,7 @@ class CreateService:
                      manifest=image.manifest, layers=image.layer_digests,
                      ttl=self._ttl(req), idle_ttl=parse_duration(req.idle_ttl, "idle_ttl"),
                      lease=parse_duration(req.lease, "lease"), key=req.key,
-                     key_args=create_args_digest(req) if req.key else None, backend=backend,
+                     key_args=args_digest(req) if req.key else None, backend=backend,
                      policy=self.policy_for_create(req.policy))
         # Admitted once every setting was read: idle call sandboxes may be
         # dropped for its room, and must not be for a create that then fails.

@@ -42,6 +42,7 @@ from ..mem import pause
 from ..protocol import FileRead
 from .denials import DenialService, ExecRef
 from .microvms import MicroVMService
+from .opkeys import output_bytes
 from .policies import Applied, PolicyService
 from .sandboxes import Sandbox, SandboxRegistry, in_root
 from .starts import ProcessStarter
@@ -274,6 +275,13 @@ class ExecLimits:
                    cfg.size("limits", "max_exec_output_bytes"), cfg.size("limits", "max_trace_bytes"))
 
 
+def exec_summary(result: dict) -> dict:
+    """What a keyed exec's key keeps of its result once the output is gone
+    (dsecd/engine/opkeys.py): its end and how many bytes of output it had."""
+    return {"exit_code": result.get("exit_code"), "signal": result.get("signal"),
+            "timed_out": bool(result.get("timed_out")), "bytes": output_bytes(result)}
+
+
 async def _no_oom_count(sb: Sandbox, before: int) -> bool:
     return False
 
@@ -307,6 +315,14 @@ class ExecService:
 
     async def exec(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
+        if req.key is not None and (req.stream or req.stdin):
+            raise BadRequest("exec: a key is for an exec whose output comes whole in its result (stream=false, "
+                             "no stdin): sent again, a streamed one's output would come twice; drop the key, "
+                             "or stream=false", {"key": req.key})
+        return await self.registry.op_keys.once(sb, "exec", req, ctx, lambda: self._exec(sb, req, ctx),
+                                                exec_summary)
+
+    async def _exec(self, sb: Sandbox, req, ctx) -> dict:
         check_pty(req)
         timeout = req.timeout
         max_t = self.limits.max_timeout_s

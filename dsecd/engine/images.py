@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import cgroup, imageconfig, metrics, native, protocol, sysfs
 from ..config import ConfigError
-from ..errors import BadRequest, Conflict, IOFailure, image_error
+from ..errors import BadRequest, Conflict, DsecError, IOFailure, image_error
 from ..features import Features
 from ..fs import clientpaths, erofs
 from ..fs import upper as upperfs
@@ -166,6 +166,12 @@ def check_pager_config(cfg) -> None:
                     log_max_bytes=cfg.size("pager", "log_max_bytes"))
     except ValueError as err:
         raise ConfigError(f"pager.{err}") from None
+
+
+def _image_made(image: dict) -> dict:
+    """What a keyed snapshot's key keeps of its answer (dsecd/engine/opkeys.py):
+    the image's name and manifest, whose image a snapshot sent again answers with."""
+    return {"name": image["name"], "manifest": image["manifest"]}
 
 
 class ImageService:
@@ -794,6 +800,10 @@ class ImageService:
         (a paused one is packed as it is, and stays paused)."""
         check_excludes(req.exclude)
         sb = self.registry.get(req.sandbox, req)
+        return await self.registry.op_keys.once(sb, "snapshot", req, ctx, lambda: self._snapshot_busy(sb, req, ctx),
+                                                _image_made, self._snapshot_again)
+
+    async def _snapshot_busy(self, sb, req, ctx) -> dict:
         # Busy as a directory copy out is: its idle TTL must not end the
         # sandbox while its layer is packed, and starts again at the end.
         busy(sb, 1)
@@ -801,6 +811,21 @@ class ImageService:
             return await self._snapshot(sb, req, ctx)
         finally:
             busy(sb, -1)
+
+    async def _snapshot_again(self, made: dict) -> dict:
+        """The answer of a keyed snapshot a daemon before made (`made`: its
+        image's name and manifest), from the image as it is now."""
+        try:
+            image = await self._images_call(self.images.get, made["name"], False)
+        except DsecError as err:
+            if err.code != "not_found":
+                raise
+            image = None
+        if image is None or image.manifest != made["manifest"]:
+            raise Conflict(f"snapshot: the image {made['name']!r} this key made ({made['manifest']}) was since "
+                           "removed or replaced; send the snapshot under another key to make it again",
+                           {"name": made["name"], "manifest": made["manifest"]})
+        return image.to_dict()
 
     async def _snapshot(self, sb, req, ctx) -> dict:
         # A name taken is said before the sandbox is frozen for nothing (and

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 RECORD_FIELDS = ("image", "state", "created", "limits", "env", "labels", "hostname", "cwd", "user", "gid", "groups",
                  "backend",
                  "died", "qos", "core_sched", "manifest", "layers", "ttl", "idle_ttl", "lease", "pause_record",
-                 "net", "key", "key_args", "idmap", "procs", "policy", "vm")
+                 "net", "key", "key_args", "op_keys", "idmap", "procs", "policy", "vm")
 
 
 def labels_match(sb: Sandbox, labels: dict) -> bool:

@@ -249,6 +249,12 @@ class BgProc:
         self.vm: bool = bool(rec.get("vm"))
         self.vm_stdin: bool = self.vm and rec["state"] == "running" and rec.get("stdin", True)
         self.vm_in = 0              # input bytes the agent took (the offset of the next)
+        # Input bytes written to a container process's stdin (the offset of
+        # the next; proc_input's `offset` is checked against it): 0 at its
+        # start; journaled by a clean stop and taken off the record by the
+        # next daemon, so that a later crash does not reuse it. None:
+        # unknown (the daemon before died with its count).
+        self.stdin_in: int | None = rec.pop("stdin_in", None)
         self.ring = Ring(ring_bytes)
         self.run: InitExec | None = None
         # The init channel and exec id under which init holds the daemon's
@@ -319,6 +325,11 @@ class ProcessService:
 
     async def start(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
+        # Its answer is small and is its own summary: the pid and start time.
+        return await self.registry.op_keys.once(sb, "proc_start", req, ctx, lambda: self._start(sb, req), dict,
+                                                _as_it_was)
+
+    async def _start(self, sb: Sandbox, req) -> dict:
         named = await request_user(sb, req, "starting a process", self.workers, self.vms, self.ensure_running)
         env, cwd, ids = exec_target(sb, req, self.backend, named)
         table = self.tables.setdefault(sb.id, {})
@@ -401,6 +412,7 @@ class ProcessService:
                "inodes": [os.fstat(ours[k]).st_ino if ours[k] >= 0 else 0 for k in ("stdin", "stdout", "stderr")]}
         rec["host_pid"], rec["host_start"] = _host_identity(run.pidfd)
         proc = self.new_proc(rec)
+        proc.stdin_in = 0
         old = table.pop(pid, None)              # an exited record of a pid the sandbox reused
         if old is not None:
             self._drop(old)
@@ -630,13 +642,16 @@ class ProcessService:
         if proc.vm:
             return await self._input_vm(sb, proc, req)
         async with proc.stdin_lock:
+            data = _not_written_yet(sb, proc, req, proc.stdin_in)
             fd = proc.fds["stdin"]
             if fd < 0:
+                if req.offset is not None and not data:     # all of it went in before: the request sent again
+                    return {"pid": proc.pid, "written": len(req.data), "skipped": len(req.data)}
                 why = "has exited" if not proc.running else "has no stdin open (closed, or started without it)"
                 raise Conflict(f"process {proc.pid} in sandbox {sb.id} {why}: cannot write to its stdin",
                                {"sandbox": sb.id, "pid": proc.pid, "state": "running" if proc.running else "exited"})
             try:
-                await self._write_all(proc, fd, req.data)
+                await self._write_all(proc, fd, data)
             except BrokenPipeError as err:
                 self._close_stdin(proc)
                 raise Conflict(f"process {proc.pid} in sandbox {sb.id} closed its stdin; nothing more reaches it",
@@ -645,28 +660,38 @@ class ProcessService:
                 raise io_error("write to the stdin of", f"process {proc.pid} in sandbox {sb.id}", err) from err
             if req.eof:
                 self._close_stdin(proc)
-        return {"pid": proc.pid, "written": len(req.data)}
+        return {"pid": proc.pid, "written": len(req.data), "skipped": len(req.data) - len(data)}
 
     async def _input_vm(self, sb: Sandbox, proc: BgProc, req) -> dict:
         async with proc.stdin_lock:
+            # What the agent took may be more than vm_in says (a request cut
+            # before its answer): the agent skips that part by its offset too.
+            data = _not_written_yet(sb, proc, req, proc.vm_in)
             if not proc.vm_stdin:
+                if req.offset is not None and not data:
+                    return {"pid": proc.pid, "written": len(req.data), "skipped": len(req.data)}
                 why = "has exited" if not proc.running else "has no stdin open (closed, or started without it)"
                 raise Conflict(f"process {proc.pid} in sandbox {sb.id} {why}: cannot write to its stdin",
                                {"sandbox": sb.id, "pid": proc.pid, "state": "running" if proc.running else "exited"})
             try:
-                await self.vm.input(sb, proc, req.data, req.eof)
+                await self.vm.input(sb, proc, data, req.eof)
             except BrokenPipeError as err:
                 why = "has exited" if not proc.running else "closed its stdin; nothing more reaches it"
                 raise Conflict(f"process {proc.pid} in sandbox {sb.id} {why}",
                                {"sandbox": sb.id, "pid": proc.pid}) from err
-        return {"pid": proc.pid, "written": len(req.data)}
+        return {"pid": proc.pid, "written": len(req.data), "skipped": len(req.data) - len(data)}
 
     async def _write_all(self, proc: BgProc, fd: int, data: bytes) -> None:
         view = memoryview(data)
         loop = self.workers.loop
         while view:
             try:
-                view = view[os.write(fd, view):]
+                n = os.write(fd, view)
+                # Counted as it goes: a request cut while the pipe is full
+                # has written this much, which the one sent again skips.
+                if proc.stdin_in is not None:
+                    proc.stdin_in += n
+                view = view[n:]
                 continue
             except BlockingIOError:
                 pass
@@ -796,6 +821,8 @@ class ProcessService:
                 if proc._grace is not None:
                     proc._grace.cancel()
                 if not proc.vm:
+                    if proc.stdin_in is not None:
+                        proc.rec["stdin_in"] = proc.stdin_in
                     proc.rec["output_seen"] = proc.ring.written
                     proc.rec["output_seen_at"] = proc.ring.read_until
                     proc.rec["output_seen_last"] = proc.ring.read_until_bytes
@@ -945,6 +972,29 @@ class _Seat:
     def sent_all(self) -> bool:
         """Waiting for output past all the ring holds (or for the process's end)."""
         return self.waiting and self.pos >= self.proc.ring.written
+
+
+def _not_written_yet(sb: Sandbox, proc: BgProc, req, taken: int | None) -> bytes:
+    """The part of a proc_input's data that its process's stdin has not
+    taken yet, by the request's `offset` (where its data begins in all the
+    input) against `taken` (the bytes written so far): all of it without
+    an offset."""
+    if req.offset is None:
+        return req.data
+    where = {"sandbox": sb.id, "pid": proc.pid, "offset": req.offset}
+    if taken is None:
+        raise Conflict(f"process {proc.pid} in sandbox {sb.id}: how much input its stdin took is unknown (the "
+                       "daemon before this one died with the count), so input at an offset cannot be checked; "
+                       "send it without an offset", where)
+    if req.offset > taken:
+        raise Conflict(f"process {proc.pid} in sandbox {sb.id}: input at offset {req.offset} is past the {taken} "
+                       f"bytes its stdin took: the bytes between were never written; send them first (from "
+                       f"offset {taken})", {**where, "taken": taken})
+    return req.data[taken - req.offset:]
+
+
+async def _as_it_was(answer: dict) -> dict:
+    return answer
 
 
 def init_needs(policy: bool, ids: users.ProcessIds) -> list[str]:

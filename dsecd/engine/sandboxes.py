@@ -30,6 +30,7 @@ from ..backends.container import Handle
 from ..cpu.admission import Requested
 from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, Unsupported, io_error
 from ..journal import Journal
+from .opkeys import OpKeys
 
 # The ops a microVM sandbox serves (dsecd/engine/microvms.py); the others are
 # `unsupported` for it until the backend grows them.
@@ -86,6 +87,8 @@ class Sandbox:
     core_sched: str = "off"     # on | off | unavailable
     key: str | None = None      # idempotency key of the create (dsecd/engine/creates.py)
     key_args: str | None = None  # digest of that create's other arguments: a reuse must match them
+    # Idempotency keys of its execs, processes and snapshots (dsecd/engine/opkeys.py), oldest first.
+    op_keys: dict = field(default_factory=dict)
     idmap: dict | None = None   # user-namespace id range (dsecd/userns.py); None = host ids
     procs: list = field(default_factory=list)   # background processes' records (dsecd/engine/procs.py)
     # Default task policy of its execs, {"name", "spec"} (dsecd/engine/policies.py); None: none.
@@ -139,7 +142,8 @@ class Sandbox:
                 "died": self.died, "qos": self.qos, "core_sched": self.core_sched,
                 "manifest": self.manifest, "layers": self.layers, "ttl": self.ttl,
                 "idle_ttl": self.idle_ttl, "lease": self.lease, "pause_record": self.pause_record,
-                "net": self.net, "key": self.key, "key_args": self.key_args, "idmap": self.idmap, "procs": self.procs,
+                "net": self.net, "key": self.key, "key_args": self.key_args, "op_keys": self.op_keys,
+                "idmap": self.idmap, "procs": self.procs,
                 "policy": self.policy, "vm": self.vm}
 
     def public(self) -> dict:
@@ -147,6 +151,7 @@ class Sandbox:
         out.pop("init_start")
         out.pop("pause_record")
         out.pop("procs")
+        out.pop("op_keys")      # one per exec the SDK sends: for the daemon, not for listings
         out.pop("vm")           # inspect's "vm" says it for a microVM
         if self.backend == "microvm" and self.handle is not None and self.handle.pidfd < 0:
             out["init_pid"] = None  # a paused VM: its QEMU ended, and its pid may be another's now
@@ -205,6 +210,8 @@ class SandboxRegistry:
         # the future of the create still making it (dsecd/engine/creates.py).
         # A key is free again once its sandbox is destroyed.
         self.keys: dict[str, str | asyncio.Future] = {}
+        # The idempotency keys of requests in a sandbox: exec, proc_start, snapshot.
+        self.op_keys = OpKeys(self)
         # The live (not dead) sandboxes and what they ask for, kept as they
         # come, die and go: every create checks the live count and admission
         # the sums, and a scan of thousands of sandboxes there cost the event
@@ -410,6 +417,7 @@ class SandboxRegistry:
             self.destroyed.popitem(last=False)
         if sb.key and self.keys.get(sb.key) == sb.id:
             del self.keys[sb.key]
+        self.op_keys.forget_sandbox(sb.id)
         self.journal.delete(sb.id)
 
 

@@ -185,19 +185,19 @@ def test_a_create_key_digest_counts_only_what_was_given():
     from dataclasses import dataclass
 
     from dsecd import protocol
-    from dsecd.engine.creates import create_args_digest
+    from dsecd.engine.opkeys import args_digest
 
     @dataclass(frozen=True)
     class LaterCreate(protocol.Create):
         gpus: int = 0
 
     first = protocol.Create(image="busybox", memory="64M", env={"A": "1"}, key="k")
-    assert create_args_digest(first) == create_args_digest(LaterCreate(image="busybox", memory="64M",
-                                                                        env={"A": "1"}, key="k2"))
+    assert args_digest(first) == args_digest(LaterCreate(image="busybox", memory="64M",
+                                                         env={"A": "1"}, key="k2"))
     for other in (protocol.Create(image="busybox", memory="96M", env={"A": "1"}, key="k"),
                   protocol.Create(image="busybox", memory="64M", key="k"),
                   LaterCreate(image="busybox", memory="64M", env={"A": "1"}, key="k", gpus=1)):
-        assert create_args_digest(other) != create_args_digest(first), other
+        assert args_digest(other) != args_digest(first), other
 
 
 def test_a_key_digest_is_the_one_journaled_sandboxes_carry():
@@ -206,10 +206,10 @@ def test_a_key_digest_is_the_one_journaled_sandboxes_carry():
     is refused as another create under the key. The values are those of
     the first implementation (dataclasses.asdict of the request)."""
     from dsecd import protocol
-    from dsecd.engine.creates import create_args_digest
+    from dsecd.engine.opkeys import args_digest
 
-    assert create_args_digest(protocol.Create(image="busybox", key="k")) == "d6b8fea136d02fd718b44113cbc256d1"
+    assert args_digest(protocol.Create(image="busybox", key="k")) == "d6b8fea136d02fd718b44113cbc256d1"
     full = protocol.Create(image="b", cpu=0.5, memory="1G", env={"A": "1"}, labels={"job": "j"},
                            allow=["pypi.org:443/tcp"], publish=[80], policy={"x": [1, 2]}, key="z", ttl="2h",
                            user=1000)
-    assert create_args_digest(full) == "d4d193337a0b27cbdaa14d577f28000d"
+    assert args_digest(full) == "d4d193337a0b27cbdaa14d577f28000d"

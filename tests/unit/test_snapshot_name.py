@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from dsecd.engine.images import ImageService
+from dsecd.engine.opkeys import OpKeys
 from dsecd.errors import DsecError
 from dsecd.fs.images import ImageError
 
@@ -28,9 +29,10 @@ def test_a_taken_name_is_refused_before_the_sandbox_is_frozen():
     svc.images = SimpleNamespace(name_free=name_free, get_manifest=lambda *a: frozen.append("base"))
     svc.workers = SimpleNamespace(run=run_now)
     svc.registry = SimpleNamespace(get=lambda sb_id, req: SimpleNamespace(id=sb_id, copies=0, backend="container",
-                                                                         state="running"))
+                                                                         state="running"),
+                                   op_keys=OpKeys(None))
     svc.frozen_upper = lambda sb: frozen.append("frozen")
-    req = SimpleNamespace(sandbox="sb1", name="app", exclude=[])
+    req = SimpleNamespace(sandbox="sb1", name="app", exclude=[], key=None)
     with pytest.raises(DsecError, match="image 'app' exists") as info:
         asyncio.run(svc.snapshot(req, None))
     assert info.value.code == "conflict" and frozen == []

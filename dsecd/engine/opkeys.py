@@ -1,0 +1,317 @@
+"""Idempotency keys of the requests that do something each time they run in
+a sandbox: a collected `exec`, `proc_start` and `snapshot`. A request whose
+connection was lost after it was sent (an ssh:// link cut, a daemon restart)
+may have run: sent again with the same key, it is answered with what the
+first one did (its result, `existing: true`), or waits for it if it still
+runs, instead of running the command, starting the process or packing the
+snapshot a second time. Given again with other arguments, the key is a
+conflict. As a create's key (dsecd/engine/creates.py), but per sandbox.
+
+What is kept, and for how long:
+
+- Each key is journaled with its sandbox (Sandbox.op_keys: its op, a digest
+  of its arguments, when it began) before the request runs, so a daemon
+  that follows one that died or stopped under it knows it began. Once a
+  proc_start or a snapshot ended, a summary of its answer is journaled with
+  its key (the pid and start; the image's name and manifest), and the next
+  daemon answers from it. An exec's end is not journaled (the key's entry
+  is the sandbox's whole record written again: one write per exec is the
+  cost), so an exec a daemon before began is an error for the next one
+  saying its outcome went with that daemon (it may have run, in part),
+  never run again.
+- At most KEYS_PER_SANDBOX keys of ended requests per sandbox, the oldest
+  forgotten first, and none past KEY_TTL_S: a key forgotten is free again
+  (a request with it runs anew). A key also goes with its sandbox.
+- A collected exec's whole answer (its output) is kept in memory, at most
+  KEPT_OUTPUT_BYTES of output over the daemon, the oldest dropped first;
+  an exec sent again after its output was dropped gets its status and an
+  error saying how many bytes of output were lost.
+
+A request under a key does not die with its connection (a lost link is what
+the key is for): it runs on, and its answer waits for the request sent
+again; once no request of its key has waited for it for
+limits.keyed_orphan_s, its client is taken as gone for good and it ends, as
+an exec of no key does with its connection. A `cancel` of it, or a daemon
+stop, ends it at once; the key then answers that it was cancelled (it may
+have run, in part).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import hashlib
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import MISSING, fields
+
+from ..errors import BadRequest, Conflict, DsecError
+
+KEYS_PER_SANDBOX = 32
+KEY_TTL_S = 3600.0
+KEPT_OUTPUT_BYTES = 32 << 20
+KEY_MAX_CHARS = 256
+# How long a keyed request whose client went runs on with no request of its
+# key waiting for it (limits.keyed_orphan_s sets it).
+ORPHAN_S = 60.0
+
+
+def check_key(op: str, key: str | None) -> None:
+    if key is not None and not 1 <= len(key) <= KEY_MAX_CHARS:
+        raise BadRequest(f"{op}: key must be 1 to {KEY_MAX_CHARS} characters", {"key": key})
+
+
+def args_digest(req) -> str:
+    """A digest of a keyed request's arguments besides its key, as sent: a
+    retry of the same request has the same (the SDK and the CLI send the
+    same request again), another request under the same key has not. Only
+    the fields that differ from their defaults count: a field a later daemon
+    adds (with a default) leaves the digests of journaled keys as they were.
+    (The request's fields are flat: plain values, lists and dicts, taken as
+    they are; dataclasses.asdict's deep copy was ~50 us of the loop per call.)"""
+    args = {}
+    for name, default in _digested_fields(type(req)):
+        value = getattr(req, name)
+        if default is MISSING or value != default:
+            args[name] = value
+    return hashlib.sha256(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+@functools.cache
+def _digested_fields(cls) -> tuple[tuple[str, object], ...]:
+    """(name, default) of the fields of request type `cls` a key's digest
+    covers (all but `key`); MISSING as the default of a required field."""
+    return tuple((f.name, f.default if f.default is not MISSING
+                  else f.default_factory() if f.default_factory is not MISSING else MISSING)
+                 for f in fields(cls) if f.name != "key")
+
+
+def output_bytes(result: dict) -> int:
+    """The bytes of output a collected exec's answer holds."""
+    return len(result.get("stdout") or b"") + len(result.get("stderr") or b"")
+
+
+class OpKeys:
+    """The keys of the sandboxes' keyed requests (see the module's doc).
+    `clock`: wall time, when a key began (journaled)."""
+
+    def __init__(self, registry, clock: Callable[[], float] = time.time):
+        self.registry = registry
+        self.clock = clock
+        # (sandbox id, key) -> the request under way, done with its answer
+        # (None: it failed or was cancelled).
+        self._running: dict[tuple[str, str], asyncio.Future] = {}
+        # (sandbox id, key) -> the whole answer of an ended request, oldest first.
+        self._answers: collections.OrderedDict[tuple[str, str], dict] = collections.OrderedDict()
+        self._answer_bytes = 0
+        # (sandbox id, key) -> the summary of an ended exec, not journaled.
+        self._summaries: dict[tuple[str, str], dict] = {}
+        # (sandbox id, key) -> the task of the request under way: a lost
+        # connection leaves it to run, for `orphan_s` while no request of its
+        # key waits for it; a cancel or close() (the daemon's stop) ends it.
+        self._tasks: dict[tuple[str, str], asyncio.Task] = {}
+        self._waiting: dict[tuple[str, str], int] = {}      # requests waiting for it
+        self._orphans: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self.orphan_s = ORPHAN_S
+
+    async def once(self, sb, op: str, req, ctx, run: Callable[[], Awaitable[dict]],
+                   summary: Callable[[dict], dict],
+                   again: Callable[[dict], Awaitable[dict]] | None = None) -> dict:
+        """The answer of `req` (op `op`, whose `key` may be None) in `sb`:
+        run() once per key. `summary(answer)`: what of it is kept once it
+        ended; `again(summary)`: the answer made again from that summary,
+        journaled at once (None: the answer is kept in memory only, and its
+        summary goes to the journal with the sandbox's next record)."""
+        if req.key is None:
+            return await run()
+        check_key(op, req.key)
+        digest = args_digest(req)
+        at = (sb.id, req.key)
+        self._expire(sb)
+        while (fut := self._running.get(at)) is not None:
+            self._same(req, op, sb.op_keys.get(req.key), digest)
+            answer = await self._waited(sb, at, ctx, fut)
+            if answer is not None:
+                return {**answer, "existing": True}
+        entry = sb.op_keys.get(req.key)
+        if entry is not None:
+            self._same(req, op, entry, digest)
+            return {**await self._answer_of(sb, op, req.key, entry, again), "existing": True}
+        sb.op_keys[req.key] = {"op": op, "args": digest, "at": self.clock()}
+        self._trim(sb)
+        self.registry.save(sb)
+        fut = asyncio.get_running_loop().create_future()
+        self._running[at] = fut
+        task = self._tasks[at] = asyncio.ensure_future(run())
+        task.add_done_callback(lambda t: self._ended(sb, at, t, fut, summary, again is not None))
+        return await self._waited(sb, at, ctx, task)
+
+    async def _waited(self, sb, at: tuple[str, str], ctx, under_way: asyncio.Future) -> dict | None:
+        """`under_way`'s outcome, for a request of its key. The request
+        cancelled: a lost connection leaves it to run, its answer waiting
+        for the request sent again (for `orphan_s` once no request of its
+        key waits: a client that went for good leaves nothing running, as
+        with an exec of no key); a cancel or the daemon's stop ends it.
+        Cancelled, its key says so; ended by a stop, the key stays as
+        journaled: begun, its end unknown to the next daemon."""
+        self._waiting[at] = self._waiting.get(at, 0) + 1
+        if (timer := self._orphans.pop(at, None)) is not None:
+            timer.cancel()
+        try:
+            return await asyncio.shield(under_way)
+        except asyncio.CancelledError:
+            why = ctx.why_cancelled()
+            if why != "gone" and (task := self._tasks.get(at)) is not None:
+                if why == "cancel" and (entry := sb.op_keys.get(at[1])) is not None:
+                    entry["cancelled"] = "cancel"
+                task.cancel()
+                # Its undoing (a snapshot's sandbox thawed, an exec's group
+                # killed) is over before the request's own end is told, as
+                # when it ran in the request.
+                await asyncio.wait({task})
+            raise
+        finally:
+            self._waiting[at] -= 1
+            if not self._waiting[at]:
+                del self._waiting[at]
+                task = self._tasks.get(at)
+                if task is not None and not task.done() and not task.cancelling():
+                    self._orphans[at] = asyncio.get_running_loop().call_later(self.orphan_s, self._orphaned,
+                                                                              sb, at)
+
+    def _orphaned(self, sb, at: tuple[str, str]) -> None:
+        """No request of its key came for it within `orphan_s` of its client's going: it ends."""
+        del self._orphans[at]
+        if (entry := sb.op_keys.get(at[1])) is not None:
+            entry["cancelled"] = "orphaned"
+        self._tasks[at].cancel()
+
+    def _ended(self, sb, at: tuple[str, str], task: asyncio.Task, fut: asyncio.Future, summary,
+               journal_end: bool) -> None:
+        del self._running[at]
+        del self._tasks[at]
+        if (timer := self._orphans.pop(at, None)) is not None:
+            timer.cancel()
+        entry = sb.op_keys.get(at[1])
+        if task.cancelled():
+            if entry is not None and entry.get("cancelled"):
+                self._save(sb)
+            fut.set_result(None)
+            return
+        if task.exception() is not None:
+            # An error is answered before anything ran (a bad request, a
+            # start that failed, a snapshot that made no image): the key is
+            # free again, for the request corrected or retried.
+            if isinstance(task.exception(), DsecError) and sb.op_keys.get(at[1]) is entry:
+                sb.op_keys.pop(at[1], None)
+                self._save(sb)
+            fut.set_result(None)
+            return
+        answer = task.result()
+        if entry is not None and self.registry.listed(sb):    # else destroyed meanwhile: nobody can ask again
+            if journal_end:
+                entry["result"] = summary(answer)
+                self._save(sb)
+            else:
+                # An exec's summary only says what an answer dropped from
+                # memory was: kept there, not journaled (each key's journal
+                # entry is the sandbox's record written again: a write per
+                # exec is enough).
+                self._summaries[at] = summary(answer)
+            self._keep(at, answer)
+        fut.set_result(answer)
+
+    def _save(self, sb) -> None:
+        """Journal the sandbox's keys, unless it is going (its record is gone)."""
+        if self.registry.listed(sb) and sb.state in ("running", "paused", "dead"):
+            self.registry.save(sb)
+
+    async def _answer_of(self, sb, op: str, key: str, entry: dict, again) -> dict:
+        """The answer of an ended keyed request, or the error saying why
+        there is none."""
+        kept = self._answers.get((sb.id, key))
+        if kept is not None:
+            return kept
+        what = f"{op} with key {key!r} in sandbox {sb.id}"
+        detail = {"key": key, "sandbox": sb.id, "op": op}
+        if entry.get("cancelled"):
+            why = ("cancelled" if entry["cancelled"] == "cancel" else
+                   f"ended: its client went and no request of its key came within {self.orphan_s:g} s "
+                   "(limits.keyed_orphan_s)")
+            raise Conflict(f"{what} was {why} (it may have run, in part); to run it again, send it under "
+                           "another key", {**detail, "outcome": "cancelled"})
+        summary = entry.get("result") or self._summaries.get((sb.id, key))
+        if summary is None:
+            raise Conflict(f"{what} was begun by a daemon that stopped before it ended (a restart): whether "
+                           "it ran, and its answer, went with that daemon; look at what it would have "
+                           "done before sending it again under another key", {**detail, "outcome": "unknown"})
+        if again is not None:
+            return await again(summary)
+        lost = summary.get("bytes", 0)
+        raise Conflict(f"{what} ended ({_status(summary)}), but its output of {lost} bytes is no longer "
+                       f"kept (the daemon keeps the last {KEPT_OUTPUT_BYTES >> 20} MiB of keyed execs' "
+                       "output): that many bytes were lost; send it under another key to run it again",
+                       {**detail, **summary, "outcome": "output_lost", "lost_bytes": lost})
+
+    @staticmethod
+    def _same(req, op: str, entry: dict | None, digest: str) -> None:
+        if entry is not None and (entry["op"] != op or entry["args"] != digest):
+            first = "another request" if entry["op"] != op else "other arguments"
+            raise Conflict(f"{op}: key {req.key!r} was given to {entry['op']} of {first} in sandbox "
+                           f"{req.sandbox}; a key stands for one request: give the same arguments to get its "
+                           "answer, or another key", {"key": req.key, "sandbox": req.sandbox})
+
+    def _keep(self, at: tuple[str, str], answer: dict) -> None:
+        self._answers[at] = answer
+        self._answer_bytes += output_bytes(answer)
+        while self._answer_bytes > KEPT_OUTPUT_BYTES and self._answers:
+            self._drop_answer(next(iter(self._answers)))
+
+    def _drop_answer(self, at: tuple[str, str]) -> None:
+        answer = self._answers.pop(at, None)
+        if answer is not None:
+            self._answer_bytes -= output_bytes(answer)
+
+    def _expire(self, sb) -> None:
+        """Forget the sandbox's keys of ended requests older than KEY_TTL_S."""
+        before = self.clock() - KEY_TTL_S
+        old = [k for k, e in sb.op_keys.items() if e["at"] < before and (sb.id, k) not in self._running]
+        for key in old:
+            self._forget(sb, key)
+        if old:
+            self._save(sb)
+
+    def _trim(self, sb) -> None:
+        """At most KEYS_PER_SANDBOX keys of ended requests: the oldest go."""
+        ended = [k for k in sb.op_keys if (sb.id, k) not in self._running]
+        for key in ended[:max(0, len(ended) - KEYS_PER_SANDBOX)]:
+            self._forget(sb, key)
+
+    def _forget(self, sb, key: str) -> None:
+        del sb.op_keys[key]
+        self._drop_answer((sb.id, key))
+        self._summaries.pop((sb.id, key), None)
+
+    def forget_sandbox(self, sb_id: str) -> None:
+        """The sandbox is destroyed: its kept answers go (its keys went with its record)."""
+        for at in [at for at in (*self._answers, *self._summaries) if at[0] == sb_id]:
+            self._drop_answer(at)
+            self._summaries.pop(at, None)
+
+    def close(self) -> None:
+        """The daemon stops: the keyed requests under way end as those of connections do."""
+        for timer in self._orphans.values():
+            timer.cancel()
+        self._orphans.clear()
+        for task in self._tasks.values():
+            task.cancel()
+
+
+def _status(summary: dict) -> str:
+    if summary.get("timed_out"):
+        return "timed out"
+    if summary.get("signal"):
+        return f"killed by signal {summary['signal']}"
+    return f"exit {summary.get('exit_code')}"

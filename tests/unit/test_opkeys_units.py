@@ -1,0 +1,281 @@
+"""The idempotency keys of exec, proc_start and snapshot (dsecd/engine/opkeys.py):
+what a key answers with, how long and how many it is kept, what a lost
+connection and a cancel leave of the request under it, and what a daemon
+that follows another finds of it in the journal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from dsecd import protocol
+from dsecd.engine import opkeys
+from dsecd.engine.execs import exec_summary
+from dsecd.engine.opkeys import KEY_TTL_S, KEYS_PER_SANDBOX, OpKeys
+from dsecd.engine.sandboxes import Sandbox, SandboxRegistry
+from dsecd.errors import BadRequest, Conflict
+
+
+class _Journal:
+    def __init__(self):
+        self.records: dict[str, dict] = {}
+
+    def write(self, key, record):
+        self.records[key] = record
+
+    def delete(self, key):
+        self.records.pop(key, None)
+
+
+class _Ctx:
+    """A request's context: why it would be cancelled (RequestContext.why_cancelled)."""
+
+    def __init__(self, why: str = "cancel"):
+        self.why = why
+
+    def why_cancelled(self) -> str:
+        return self.why
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class World:
+    def __init__(self):
+        self.journal = _Journal()
+        self.registry = SandboxRegistry(self.journal)
+        self.clock = _Clock()
+        self.registry.op_keys = OpKeys(self.registry, self.clock)
+        self.sb = Sandbox(id="sb1", image="busybox", state="running", created=0.0,
+                          limits={"cpu": 1.0, "memory": 1 << 20})
+        self.registry.add(self.sb)
+        self.runs: list[list[str]] = []
+        self.unwound: list[list[str]] = []        # runs whose cancel unwound them
+
+    def exec(self, argv: list[str], key: str | None, out: bytes = b"out\n", ctx: _Ctx | None = None,
+             until: asyncio.Event | None = None):
+        """An exec of `argv` under `key` whose run is counted in `runs` and
+        answers `out` (after `until` is set, if given)."""
+        req = protocol.Exec(sandbox=self.sb.id, argv=argv, stream=False, key=key)
+
+        async def run() -> dict:
+            self.runs.append(argv)
+            try:
+                if until is not None:
+                    await until.wait()
+            except asyncio.CancelledError:
+                # Undone in a worker thread, as a snapshot's thaw is: it takes turns of the loop.
+                await asyncio.to_thread(time.sleep, 0)
+                self.unwound.append(argv)
+                raise
+            return {"exit_code": 3, "signal": None, "stdout": out, "stderr": b"", "timed_out": False}
+
+        return self.registry.op_keys.once(self.sb, "exec", req, ctx or _Ctx(), run, exec_summary)
+
+
+def test_a_key_answers_with_its_first_run_until_it_is_older_than_its_ttl():
+    w = World()
+
+    async def go():
+        first = await w.exec(["echo"], "k")
+        w.clock.now += KEY_TTL_S - 1
+        again = await w.exec(["echo"], "k")
+        w.clock.now += 2
+        after = await w.exec(["echo"], "k")
+        return first, again, after
+
+    first, again, after = asyncio.run(go())
+    assert "existing" not in first and again == {**first, "existing": True}
+    assert "existing" not in after and len(w.runs) == 2, w.runs
+
+
+def test_a_sandbox_keeps_the_keys_of_its_latest_requests_only():
+    w = World()
+
+    async def go():
+        for n in range(KEYS_PER_SANDBOX + 1):
+            await w.exec(["echo", str(n)], f"k{n}")
+        await w.exec(["echo", "1"], "k1")        # still kept: answered, not run
+        await w.exec(["echo", "0"], "k0")        # the oldest, forgotten: run anew
+
+    asyncio.run(go())
+    assert [argv[1] for argv in w.runs] == [str(n) for n in range(KEYS_PER_SANDBOX + 1)] + ["0"]
+    journaled = w.journal.records["sb1"]["op_keys"]
+    assert len(journaled) == KEYS_PER_SANDBOX and "k0" in journaled and "k1" not in journaled
+
+
+def test_a_key_given_again_with_other_arguments_or_to_another_op_is_a_conflict():
+    w = World()
+
+    async def go():
+        await w.exec(["echo", "one"], "k")
+        with pytest.raises(Conflict) as other_args:
+            await w.exec(["echo", "two"], "k")
+        snap = protocol.Snapshot(sandbox="sb1", name="img", key="k")
+        with pytest.raises(Conflict) as other_op:
+            await w.registry.op_keys.once(w.sb, "snapshot", snap, _Ctx(), None, dict)
+        return other_args.value, other_op.value
+
+    other_args, other_op = asyncio.run(go())
+    assert "key 'k'" in other_args.message and "other arguments" in other_args.message
+    assert other_args.detail == {"key": "k", "sandbox": "sb1"}
+    assert "another request" in other_op.message and len(w.runs) == 1
+
+
+def test_a_key_is_one_to_256_characters():
+    w = World()
+    with pytest.raises(BadRequest):
+        asyncio.run(w.exec(["true"], ""))
+    with pytest.raises(BadRequest):
+        asyncio.run(w.exec(["true"], "k" * 257))
+    assert w.runs == []
+
+
+def test_an_exec_whose_output_is_no_longer_kept_says_how_many_bytes_were_lost(monkeypatch):
+    """The daemon keeps KEPT_OUTPUT_BYTES of keyed execs' output in all: an
+    older one's goes first, and sent again it gets its status and the
+    count of bytes lost, not a second run."""
+    first_out = b"x" * 6
+    monkeypatch.setattr(opkeys, "KEPT_OUTPUT_BYTES", len(first_out) + 4)
+    w = World()
+
+    async def go():
+        await w.exec(["first"], "a", out=first_out)
+        await w.exec(["second"], "b", out=b"y" * 5)        # together past the cap: the first's goes
+        with pytest.raises(Conflict) as e:
+            await w.exec(["first"], "a", out=first_out)
+        kept = await w.exec(["second"], "b", out=b"y" * 5)
+        return e.value, kept
+
+    err, kept = asyncio.run(go())
+    assert err.detail["lost_bytes"] == len(first_out) and err.detail["exit_code"] == 3
+    assert f"output of {len(first_out)} bytes is no longer kept" in err.message and "exit 3" in err.message
+    assert kept["stdout"] == b"y" * 5 and kept["existing"] is True
+    assert w.runs == [["first"], ["second"]]
+
+
+def test_a_request_whose_connection_goes_runs_on_and_answers_the_one_sent_again():
+    w = World()
+
+    async def go():
+        release = asyncio.Event()
+        first = asyncio.ensure_future(w.exec(["sleep"], "k", ctx=_Ctx("gone"), until=release))
+        await asyncio.sleep(0)
+        first.cancel()                           # the server's, as its client's connection ended
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        again = asyncio.ensure_future(w.exec(["sleep"], "k", until=release))
+        await asyncio.sleep(0)
+        release.set()
+        return await again
+
+    answer = asyncio.run(go())
+    assert answer["stdout"] == b"out\n" and answer["existing"] is True and w.runs == [["sleep"]]
+
+
+def test_a_request_whose_client_went_for_good_ends_after_the_orphan_time():
+    """Nobody asked for it again within orphan_s (limits.keyed_orphan_s):
+    the client went for good, and its request ends as an exec of no key
+    does with its connection; its key says so."""
+    w = World()
+    w.registry.op_keys.orphan_s = 0.01
+
+    async def go():
+        first = asyncio.ensure_future(w.exec(["sleep"], "k", ctx=_Ctx("gone"), until=asyncio.Event()))
+        await asyncio.sleep(0)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        under_way = w.registry.op_keys._running[("sb1", "k")]
+        assert await under_way is None              # ended by the orphan timer, not answered
+        with pytest.raises(Conflict) as e:
+            await w.exec(["sleep"], "k")
+        return e.value
+
+    err = asyncio.run(go())
+    assert err.detail["outcome"] == "cancelled" and "its client went" in err.message, err.message
+    assert "limits.keyed_orphan_s" in err.message and w.runs == [["sleep"]]
+
+
+def test_a_cancelled_request_ends_and_its_key_says_so():
+    w = World()
+
+    async def go():
+        first = asyncio.ensure_future(w.exec(["sleep"], "k", until=asyncio.Event()))
+        await asyncio.sleep(0)
+        first.cancel()                           # a `cancel`: the connection is still there
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        # Told cancelled only once it unwound (a snapshot's sandbox thawed, an exec's group killed).
+        assert w.unwound == [["sleep"]]
+        with pytest.raises(Conflict) as e:
+            await w.exec(["sleep"], "k")
+        return e.value
+
+    err = asyncio.run(go())
+    assert err.detail["outcome"] == "cancelled" and "may have run, in part" in err.message
+    assert w.journal.records["sb1"]["op_keys"]["k"]["cancelled"] == "cancel"
+    assert w.registry.op_keys._tasks == {} and w.runs == [["sleep"]]
+
+
+def test_a_request_that_failed_frees_its_key():
+    w = World()
+
+    async def go():
+        async def refused():
+            w.runs.append(["refused"])
+            raise BadRequest("no such cwd")
+        req = protocol.Exec(sandbox="sb1", argv=["true"], stream=False, key="k")
+        for _ in range(2):
+            with pytest.raises(BadRequest):
+                await w.registry.op_keys.once(w.sb, "exec", req, _Ctx(), refused, exec_summary)
+
+    asyncio.run(go())
+    assert w.runs == [["refused"], ["refused"]] and w.sb.op_keys == {}
+
+
+def test_a_daemon_that_follows_answers_from_the_journal_or_says_the_outcome_went():
+    """The journal carries each key from before its request ran: a
+    proc_start's answer is made again from its summary; an exec the daemon
+    before began and never ended (it stopped under it, or died) is an
+    error, never a second run."""
+    w = World()
+
+    async def go():
+        await w.registry.op_keys.once(w.sb, "proc_start", protocol.ProcStart(sandbox="sb1", argv=["sleep"], key="p"),
+                                      _Ctx(), _started, dict, _as_it_was)
+        ended = asyncio.ensure_future(w.exec(["sleep"], "e", ctx=_Ctx("stop"), until=asyncio.Event()))
+        await asyncio.sleep(0)
+        ended.cancel()                          # the daemon stops: the exec is killed, its end not told
+        with pytest.raises(asyncio.CancelledError):
+            await ended
+        record = json.loads(json.dumps(w.journal.records["sb1"]))    # as the daemon left it
+
+        after = World()
+        after.sb.op_keys = record["op_keys"]
+        again = await after.registry.op_keys.once(
+            after.sb, "proc_start", protocol.ProcStart(sandbox="sb1", argv=["sleep"], key="p"), _Ctx(), None, dict,
+            _as_it_was)
+        with pytest.raises(Conflict) as e:
+            await after.exec(["sleep"], "e")
+        return again, e.value, after.runs
+
+    again, err, runs = asyncio.run(go())
+    assert again == {"pid": 7, "started": 5.0, "existing": True}
+    assert err.detail["outcome"] == "unknown" and "stopped before it ended" in err.message and runs == []
+
+
+async def _started() -> dict:
+    return {"pid": 7, "started": 5.0}
+
+
+async def _as_it_was(answer: dict) -> dict:
+    return answer
