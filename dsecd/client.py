@@ -105,6 +105,17 @@ FOLLOWS_ONLY = ("proc_logs", "events", "file_watch", "file_tar_get")
 # So Client.hold's renew in flight at a daemon restart renews on the next
 # daemon instead of failing.
 IDEMPOTENT = ("pause", "resume", "renew")
+# Requests the daemon takes an idempotency key for (a collected exec only,
+# stream=false): one lost after it was sent goes again, once, with its key,
+# and the daemon answers it with what the first one did (a create's
+# sandbox, an exec's result, the process started, the image made) instead
+# of doing it twice. The SDK gives each one a key of its own (_made_key)
+# where the daemon takes them: a create always, the others where its hello
+# lists "op.keys".
+KEYED = ("create", "exec", "proc_start", "snapshot")
+# Of those, ones whose frames before the result are progress only: seen
+# again from the request sent again, they tell nothing false.
+PROGRESS_FRAMES = ("snapshot",)
 # A lost connection is made again at the next request (reconnect=True):
 # while the daemon does not answer (a restart: no socket, or refused), tries
 # this far apart at first, doubled after each failure up to the max, for
@@ -442,10 +453,15 @@ def _given(args: dict, /, **optional) -> dict:
     return args
 
 
-def lost_after_sending(op: str) -> str:
-    """What a connection lost after `op` was sent leaves open, for its error."""
+def lost_after_sending(op: str, key: str | None = None) -> str:
+    """What a connection lost after `op` was sent leaves open, for its error;
+    `key`: its idempotency key, if it was sent with one."""
     if op == "create":
         return "; the create may have been carried out (sent again with the same idempotency key, it is safe)"
+    if key and op in KEYED:
+        return (f"; the request may have been carried out, and runs on if it was: sent again with its "
+                f"idempotency key {key!r} (key={key!r}), it is answered with what it did, or waits for it, "
+                "instead of running again")
     if op in CHANGES_NOTHING or op in FOLLOWS_ONLY:
         return "; it changes nothing, so it is safe to send again"
     if op in IDEMPOTENT:
@@ -460,18 +476,21 @@ def lost_after_sending(op: str) -> str:
 
 
 def _made_key() -> str:
-    """An idempotency key for a create given none. The daemon answers a
-    create of a key it has seen with that key's sandbox, so the SDK may send
-    such a create again after losing its connection (a daemon restart, an
-    ssh:// link cut) without making a second sandbox; without a key, a
-    create whose answer was lost leaves a sandbox nobody knows the id of."""
+    """An idempotency key for a create (or an exec, proc_start or snapshot:
+    KEYED) given none. The daemon answers a request of a key it has seen
+    with what that key's request did, so the SDK may send such a request
+    again after losing its connection (a daemon restart, an ssh:// link
+    cut) without doing it twice; without a key, a create whose answer was
+    lost leaves a sandbox nobody knows the id of, and an exec's command may
+    have run, or not."""
     return f"sdk-{secrets.token_hex(10)}"
 
 
-def _sent_or_not(op: str, sent: bool) -> str:
-    """What a lost connection leaves open of `op`, for its error: whether
-    it may have run (`sent`), or that it did not."""
-    return lost_after_sending(op) if sent else "; the request was not sent, so it did not run"
+def _sent_or_not(op: str, sent: bool, key: str | None = None) -> str:
+    """What a lost connection leaves open of `op` (sent with idempotency key
+    `key`, if any), for its error: whether it may have run (`sent`), or that
+    it did not."""
+    return lost_after_sending(op, key) if sent else "; the request was not sent, so it did not run"
 
 
 @dataclass
@@ -1112,12 +1131,13 @@ class Client:
         for pending in conn.pending.values():
             pending.queue.put_nowait({"__lost__": error})
 
-    def _lost_error(self, cause: BaseException, op: str, sent: bool) -> BaseException:
+    def _lost_error(self, cause: BaseException, op: str, sent: bool, key: str | None = None) -> BaseException:
         """What a request raises when its connection is gone: the daemon's own
-        error (a connection-level `limit`, say) as it is, else ConnectionLost."""
+        error (a connection-level `limit`, say) as it is, else ConnectionLost.
+        `key`: the request's idempotency key, if it went with one."""
         if isinstance(cause, DsecError):
             return cause
-        text = f"{op} on {self.target}: connection lost: {cause}" + _sent_or_not(op, sent)
+        text = f"{op} on {self.target}: connection lost: {cause}" + _sent_or_not(op, sent, key)
         if self._closed:
             pass
         elif self.lost_advice:
@@ -1129,11 +1149,13 @@ class Client:
             text += "; call connect() again (or make the Client with reconnect=True) to go on"
         return ConnectionLost(text, target=self.target, op=op, sent=sent)
 
-    async def _connection(self, op: str, deadline: float | None = None, sent: bool = False) -> _Conn:
+    async def _connection(self, op: str, deadline: float | None = None, sent: bool = False,
+                          key: str | None = None) -> _Conn:
         """The live connection; after a loss, a new one if `reconnect`,
         waiting for the daemon to answer again until `deadline` (loop time;
         default: reconnect_timeout from now). `sent`: the request was sent on
-        a connection lost since (it is to go again), for the error."""
+        a connection lost since (it is to go again), for the error, as its
+        idempotency `key`."""
         conn = self._conn
         if conn is not None and conn.pid != os.getpid():
             # Its frames would interleave with the parent's on the one socket.
@@ -1160,7 +1182,7 @@ class Client:
         # A reconnect must not cancel the reader before it has told on_lost.
         await self._reason(conn)
         if not self.reconnect or self._closed:
-            raise self._lost_error(conn.lost, op, sent=sent)
+            raise self._lost_error(conn.lost, op, sent=sent, key=key)
         loop = asyncio.get_running_loop()
         if deadline is None:
             deadline = loop.time() + self.reconnect_timeout
@@ -1190,11 +1212,11 @@ class Client:
             raise ConnectionLost(
                 f"{op} on {self.target}: connection lost: {conn.lost}; the daemon did not answer again within "
                 f"{self.reconnect_timeout:g} s (the Client's reconnect_timeout){why}"
-                + _sent_or_not(op, sent),
+                + _sent_or_not(op, sent, key),
                 target=self.target, op=op, sent=sent) from None
         conn = self._conn
         if self._closed or conn is None or conn.lost is not None:
-            raise self._lost_error(conn.lost if conn else ConnectionError("closed"), op, sent=sent)
+            raise self._lost_error(conn.lost if conn else ConnectionError("closed"), op, sent=sent, key=key)
         return conn
 
     @staticmethod
@@ -1243,13 +1265,17 @@ class Client:
         # sending it again is safe and nothing of its answer had come: one
         # that changes nothing (CHANGES_NOTHING), or a create with an
         # idempotency key (the daemon journals the key: the create it made
-        # before the loss, if any, is the answer), or a pause or resume
+        # before the loss, if any, is the answer; likewise an exec's result,
+        # a process started, a snapshot made: KEYED), or a pause or resume
         # (IDEMPOTENT). Once: lost again, the daemon may be failing on it.
-        again_safe = op in CHANGES_NOTHING or op in IDEMPOTENT or (op == "create" and bool(args.get("key")))
+        key = args.get("key") if op in KEYED else None
+        # A proc_input at an offset: the daemon skips what of it it wrote before.
+        again_safe = (op in CHANGES_NOTHING or op in IDEMPOTENT or bool(key)
+                      or (op == "proc_input" and args.get("offset") is not None))
         deadline = None
         resent = False
         while True:
-            conn = await self._connection(op, deadline, sent=resent)
+            conn = await self._connection(op, deadline, sent=resent, key=key)
             came = False
             try:
                 # aclosing: a caller that stops early (break, cancel) closes the
@@ -1265,9 +1291,18 @@ class Client:
                 if not self.reconnect or self._closed:
                     raise self._lost_error(err.cause, op, sent=False) from None
             except ConnectionLost:
-                if came or resent or not again_safe or not self.reconnect or self._closed:
+                if ((came and op not in PROGRESS_FRAMES) or resent or not again_safe or not self.reconnect
+                        or self._closed):
                     raise
                 resent = True
+            except DsecError as err:
+                if not (resent and err.detail.get("outcome") == "unknown"):
+                    raise
+                # Sent again to a daemon that followed the one it was sent
+                # to: that one began it and stopped before its end.
+                raise ConnectionLost(f"{op} on {self.target}: connection lost after it was sent; the request "
+                                     f"may have been carried out: the daemon that answered again says: "
+                                     f"{err.message}", target=self.target, op=op, sent=True) from None
             if deadline is None:
                 deadline = asyncio.get_running_loop().time() + self.reconnect_timeout
 
@@ -1318,7 +1353,7 @@ class Client:
                 await self._send(conn, parts)
             except ConnectionError as err:
                 await self._reason(conn)
-                raise self._lost_error(conn.lost or err, op, sent=True) from None
+                raise self._lost_error(conn.lost or err, op, sent=True, key=args.get("key")) from None
 
         try:
             # Packed before anything is sent: a request that cannot be fails
@@ -1334,7 +1369,7 @@ class Client:
             while True:
                 frame = await pending.get()
                 if "__lost__" in frame:
-                    raise self._lost_error(frame["__lost__"], op, sent=True)
+                    raise self._lost_error(frame["__lost__"], op, sent=True, key=args.get("key"))
                 if "stream" in frame:
                     yield frame["stream"]
                     continue
@@ -2245,9 +2280,15 @@ class Process:
     """A background process in a sandbox (Sandbox.spawn, Sandbox.process):
     named by its pid in the sandbox, so any client may take it up again."""
 
-    def __init__(self, sb: Sandbox, pid: int):
+    def __init__(self, sb: Sandbox, pid: int, stdin_at: int | None = None):
         self.sb = sb
         self.pid = pid
+        # The offset of the next input in all this process's input (spawn's
+        # Process: 0, and counted by write), sent with each proc_input so
+        # that one whose connection was lost goes again and the daemon skips
+        # what it already wrote. None: unknown (a process taken up by pid, or
+        # after a write that failed): inputs go unchecked, once.
+        self._stdin_at = stdin_at
 
     def __repr__(self) -> str:
         return f"<Process {self.pid} in {self.sb.id}>"
@@ -2328,10 +2369,24 @@ class Process:
 
     async def write(self, data: bytes) -> None:
         """Input for its stdin (waits while it does not read)."""
-        await self.sb.client.request("proc_input", **self._args(data=bytes(data)))
+        await self._input(bytes(data), False)
 
     async def close_stdin(self) -> None:
-        await self.sb.client.request("proc_input", **self._args(eof=True))
+        await self._input(b"", True)
+
+    async def _input(self, data: bytes, eof: bool) -> None:
+        args = self._args(data=data) if data else self._args()
+        if eof:
+            args["eof"] = True
+        if self._stdin_at is not None:
+            # Taken at the call, in the order the requests go out.
+            args["offset"] = self._stdin_at
+            self._stdin_at += len(data)
+        try:
+            await self.sb.client.request("proc_input", **args)
+        except BaseException:
+            self._stdin_at = None       # how much of it went in is not known here
+            raise
 
     async def kill(self, signal: int | str = "KILL") -> dict:
         """Signal its process group: a number or a name ("TERM", "SIGINT")."""
@@ -2490,7 +2545,7 @@ class Sandbox:
                    trace: bool = False, on_stdout: Callable[[bytes], object] | None = None,
                    on_stderr: Callable[[bytes], object] | None = None, pty: bool = False,
                    rows: int | None = None, cols: int | None = None,
-                   policy: str | dict | None = None) -> ExecResult:
+                   policy: str | dict | None = None, key: str | None = None) -> ExecResult:
         """Run a command (an argv list, or a string run by /bin/sh -c); return
         its collected output and status (and, with trace, the ptrace record of
         what it executed, opened and connected to). on_stdout / on_stderr get
@@ -2500,11 +2555,20 @@ class Sandbox:
         policy: the task policy it runs under (a name or an inline dict;
         default: the sandbox's). user: a uid, or as `docker exec --user` a
         name, "name:group" or "uid:gid" from the sandbox's /etc/passwd and
-        /etc/group (default: the sandbox's user)."""
+        /etc/group (default: the sandbox's user).
+        key: idempotency key of a collected exec (no stdin, on_stdout,
+        on_stderr or pty); without one the SDK makes one (where the daemon
+        takes them), so an exec whose answer a lost connection took is sent
+        again once and answered with its one run's result, instead of
+        running twice or not at all. Given again with the same arguments,
+        it is answered with that run's result."""
         if stdin is None and on_stdout is None and on_stderr is None and not pty:
-            r = await self.client.request("exec", **self._exec_args(argv, env, cwd, user, timeout, False, False,
-                                                                   trace, pty, rows, cols, policy))
+            args = self._exec_args(argv, env, cwd, user, timeout, False, False, trace, pty, rows, cols, policy)
+            r = await self._keyed("exec", args, key)
             return ExecResult.from_result(r)
+        if key is not None:
+            raise ValueError("key is for a collected exec: one with stdin, on_stdout, on_stderr or pty streams "
+                             "its output, which would come twice if it were sent again")
         stream = self.exec_stream(argv, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin, trace=trace,
                                   pty=pty, rows=rows, cols=cols, policy=policy)
         return await _collect(stream, on_stdout, on_stderr)
@@ -2523,16 +2587,44 @@ class Sandbox:
         return ExecStream(self, args, stdin)
 
     async def spawn(self, argv: Command, env: dict | None = None, cwd: str | None = None,
-                    user: int | str | None = None, stdin: bool = True, policy: str | dict | None = None) -> Process:
+                    user: int | str | None = None, stdin: bool = True, policy: str | dict | None = None,
+                    key: str | None = None) -> Process:
         """Start a background process (an argv list, or a string run by
         /bin/sh -c); returns once it runs. It outlives this client and a
         daemon restart; take it up again with `process(pid)`. stdin: a pipe
         fed by Process.write until close_stdin (False: /dev/null). policy:
-        its task policy, as exec's. Cancelled, it leaves no process running."""
+        its task policy, as exec's. Cancelled, it leaves no process running.
+        key: idempotency key, as exec's (the SDK makes one if none is given):
+        sent again, the start answers with the process it started."""
         args = _given({"sandbox": self.id, "argv": command_argv(argv), "env": string_map(env, "env", raw=True),
                        "stdin": stdin}, cwd=cwd, user=user, policy=policy)
-        r = await self.client.request("proc_start", **args)
-        return Process(self, r["pid"])
+        r = await self._keyed("proc_start", args, key)
+        # Its input counted from its start, where the daemon checks offsets
+        # (op.keys); not that of a process an earlier spawn of the caller's
+        # key started (`existing`), which may have had input since.
+        counted = stdin and "existing" not in r and "op.keys" in self.client.server.get("capabilities", ())
+        return Process(self, r["pid"], 0 if counted else None)
+
+    async def _keyed(self, op: str, args: dict, key: str | None,
+                     progress: Callable[[dict], None] | None = None) -> dict:
+        """Request `op` (KEYED) with idempotency key `key`, or one the SDK
+        makes where the daemon takes keys for it (its hello lists "op.keys"),
+        so that a lost connection sends it again instead of leaving its
+        outcome unknown."""
+        made_key = key is None and "op.keys" in self.client.server.get("capabilities", ())
+        if made_key:
+            key = _made_key()
+        if key is not None:
+            args["key"] = key
+        # Lost and not answered again, its ConnectionLost names the key (lost_after_sending).
+        if op == "snapshot":
+            r = await self.client._with_progress(op, args, progress)
+        else:
+            r = await self.client.request(op, **args)
+        if made_key:
+            # Its own key found again on a new connection: this request's answer, not an earlier one's.
+            r.pop("existing", None)
+        return r
 
     def process(self, pid: int) -> Process:
         """A background process of this sandbox by its pid (from spawn, processes() or `dsec proc ls`)."""
@@ -3107,13 +3199,15 @@ class Sandbox:
                 return
 
     async def snapshot(self, name: str, exclude: list[str] | None = None,
-                       progress: Callable[[dict], None] | None = None) -> dict:
+                       progress: Callable[[dict], None] | None = None, key: str | None = None) -> dict:
         """pack_diff: this sandbox's changes as a new image `name` over its own image,
         leaving out the `exclude` paths: paths in the sandbox, a relative one
         read from its root (`root/.cache` is /root/.cache), never from a
-        working directory."""
-        return await self.client._with_progress("snapshot", {"sandbox": self.id, "name": name,
-                                                             "exclude": exclude or []}, progress)
+        working directory. key: idempotency key, as exec's (the SDK makes
+        one if none is given): sent again, the snapshot answers with the
+        image it made (`progress` may then hear the packing twice)."""
+        return await self._keyed("snapshot", {"sandbox": self.id, "name": name, "exclude": exclude or []}, key,
+                                 progress)
 
     async def net_show(self) -> dict:
         """The egress policy: rules with allowed counters, and what default-deny refused."""

@@ -157,9 +157,9 @@ class SyncSandbox:
     def resume(self) -> dict:
         return self._run(self._sb.resume())
 
-    def snapshot(self, name: str, exclude: list[str] | None = None, progress=None) -> dict:
+    def snapshot(self, name: str, exclude: list[str] | None = None, progress=None, key: str | None = None) -> dict:
         """Sandbox.snapshot; `progress` is called on the client's loop thread."""
-        return self._run(self._sb.snapshot(name, exclude, progress))
+        return self._run(self._sb.snapshot(name, exclude, progress, key))
 
     def destroy(self, force: bool = False) -> dict:
         return self._run(self._sb.destroy(force))
@@ -564,11 +564,12 @@ class _Client(Client):
     """The Client under a SyncClient: one never connected says what a
     SyncClient's user does about it (Client's own advice is `async with`)."""
 
-    async def _connection(self, op: str, deadline: float | None = None, sent: bool = False):
+    async def _connection(self, op: str, deadline: float | None = None, sent: bool = False,
+                          key: str | None = None):
         if self._conn is None:
             raise ConnectionError(f"{op}: not connected to dsecd at {self.target}: call connect() first "
                                   "(or use `with`)")
-        return await super()._connection(op, deadline, sent)
+        return await super()._connection(op, deadline, sent, key)
 
 
 class SyncClient(_LoopThread):

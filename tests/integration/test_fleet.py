@@ -39,9 +39,14 @@ DSEC = [sys.executable, "-m", "dsecd.cli"]
 DOWN_BOUND_S = 5.0
 
 
+# A keyed exec whose client went runs on this long for the client to ask
+# again (limits.keyed_orphan_s): short, for the tests of clients gone for good.
+KEYED_ORPHAN_S = 5.0
+
+
 @pytest.fixture(scope="module")
 def sim(busybox_rootfs):
-    f = SimFleet(3, busybox_rootfs)
+    f = SimFleet(3, busybox_rootfs, extra_config=f"[limits]\nkeyed_orphan_s = {KEYED_ORPHAN_S}\n")
     try:
         yield f
     finally:
@@ -131,22 +136,28 @@ def test_rpc_stdio_over_ssh_answers_what_was_sent_before_stdin_closed(fleet_env)
 
 
 def test_a_dropped_connection_fails_in_flight_requests_and_the_next_one_reconnects(fleet_env):
+    """A streamed exec (no idempotency key) fails with the link, and the
+    host kills it; a collected one, keyed by the SDK, runs on and is sent
+    again once the link is back, answered with its one run's result."""
     host = fleet_env.hosts[0]
 
     async def go():
         async with dsecd.Client("ssh://h1", ssh=fleet_env.ssh) as c:
             sb = await c.create(image="busybox", key="kept-1", **SMALL)
-            running = asyncio.ensure_future(sb.exec(["sleep", "60"]))
+            streamed = asyncio.ensure_future(sb.exec(["sleep", "60"], on_stdout=lambda data: None))
+            keyed = asyncio.ensure_future(sb.exec("sleep 2; echo ran >> /tmp/ran; echo done"))
             await asyncio.sleep(0.5)
             # The network path dies: sshd and its sessions are killed (the daemon lives).
             await asyncio.to_thread(kill_tree, host.sshd)
             with pytest.raises(ConnectionLost) as e:
-                await asyncio.wait_for(running, 10)
+                await asyncio.wait_for(streamed, 10)
             assert e.value.sent and e.value.op == "exec" and "connects again" in str(e.value)
             await asyncio.to_thread(host.start_sshd)
+            assert (await asyncio.wait_for(keyed, 30)).stdout == b"done\n"
+            assert await sb.read_file("/tmp/ran") == b"ran\n"
             again = await c.create(image="busybox", key="kept-1", **SMALL)      # retried safely
             assert again.id == sb.id and again.info.get("existing") is True
-            for _ in range(100):        # the daemon saw its client go: the exec is killed
+            for _ in range(100):        # the daemon saw its client go: the streamed exec is killed
                 if (await sb.inspect())["execs_running"] == 0:
                     break
                 await asyncio.sleep(0.1)

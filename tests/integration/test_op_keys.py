@@ -1,12 +1,152 @@
-"""Idempotency keys of exec, proc_start and snapshot, and proc_input's
-offset: a request sent again is answered with what the first one did
-instead of doing it twice."""
+"""Idempotency keys of exec, proc_start and snapshot: a request whose
+connection drops after it was written and before its answer came (an
+ssh:// link cut) is sent again by the SDK with the same key, and the daemon
+answers it with what the first one did instead of doing it twice."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+
 import pytest
 
+from dsecd import Client, protocol
 from dsecd.errors import BadRequest, Conflict
+
+
+class CuttingRelay:
+    """A unix socket relaying to the daemon's, byte for byte, that drops
+    the first connection on which a request of op `cut_op` goes by: both
+    of its sides are aborted right after that request was passed on to the
+    daemon, before any answer to it came back. Later connections (the SDK's
+    reconnect) are relayed as they are."""
+
+    def __init__(self, daemon_socket: str, path: str, cut_op: str):
+        self.daemon_socket = daemon_socket
+        self.path = path
+        self.cut_op = cut_op
+        self.cut = asyncio.Event()
+        self.seen: list[str] = []      # the ops of the requests relayed, in order
+        self._server = None
+        self._links: set[asyncio.Task] = set()
+
+    async def __aenter__(self) -> CuttingRelay:
+        self._server = await asyncio.start_unix_server(self._relay, self.path)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._server.close()
+        for task in self._links:
+            task.cancel()
+        await asyncio.gather(*self._links, return_exceptions=True)
+
+    async def _relay(self, client_reader, client_writer) -> None:
+        self._links.add(asyncio.current_task())
+        daemon_reader, daemon_writer = await asyncio.open_unix_connection(self.daemon_socket)
+
+        async def to_daemon() -> None:
+            frames = protocol.FrameDecoder(1 << 30)
+            while data := await client_reader.read(65536):
+                daemon_writer.write(data)
+                await daemon_writer.drain()
+                for frame in frames.feed(data):
+                    self.seen.append(frame.get("op"))
+                    if frame.get("op") == self.cut_op and not self.cut.is_set():
+                        self.cut.set()
+                        daemon_writer.transport.abort()
+                        client_writer.transport.abort()
+                        return
+
+        async def to_client() -> None:
+            while data := await daemon_reader.read(65536):
+                client_writer.write(data)
+                await client_writer.drain()
+
+        try:
+            up = asyncio.ensure_future(to_daemon())
+            down = asyncio.ensure_future(to_client())
+            await asyncio.wait([up, down], return_when=asyncio.FIRST_COMPLETED)
+            for task in (up, down):
+                task.cancel()
+            await asyncio.gather(up, down, return_exceptions=True)
+        finally:
+            for writer in (daemon_writer, client_writer):
+                writer.transport.abort()
+            self._links.discard(asyncio.current_task())
+
+
+async def _sandbox(c: Client):
+    return await c.create(image="busybox", memory="128M")
+
+
+def test_an_exec_whose_connection_drops_after_it_was_sent_runs_once_and_answers(daemon, tmp_path):
+    """The exec goes again on the next connection with the key the SDK gave
+    it, and is answered with the one run's status and output: the command
+    ran once (one line appended), not twice, nor killed with the link."""
+    async def go():
+        async with Client(daemon.socket) as direct:
+            sb = await _sandbox(direct)
+            try:
+                async with CuttingRelay(daemon.socket, str(tmp_path / "r.sock"), "exec") as relay:
+                    async with Client(relay.path) as c:
+                        mine = await c.get(sb.id)
+                        r = await mine.exec("echo ran >> /tmp/ran; sleep 0.5; echo out; echo err >&2; exit 3")
+                    assert relay.cut.is_set() and relay.seen.count("exec") == 2, relay.seen
+                lines = (await sb.read_file("/tmp/ran")).decode()
+                return r, lines
+            finally:
+                await sb.destroy(force=True)
+
+    r, lines = asyncio.run(go())
+    assert lines == "ran\n", lines
+    assert (r.exit_code, r.stdout, r.stderr) == (3, b"out\n", b"err\n"), r
+
+
+def test_a_background_process_whose_start_drops_after_it_was_sent_starts_once(daemon, tmp_path):
+    async def go():
+        async with Client(daemon.socket) as direct:
+            sb = await _sandbox(direct)
+            try:
+                async with CuttingRelay(daemon.socket, str(tmp_path / "r.sock"), "proc_start") as relay:
+                    async with Client(relay.path) as c:
+                        mine = await c.get(sb.id)
+                        proc = await mine.spawn("echo ran >> /tmp/ran; sleep 30", stdin=False)
+                    assert relay.cut.is_set() and relay.seen.count("proc_start") == 2, relay.seen
+                listed = await sb.processes()
+                return proc.pid, [p.pid for p in listed]
+            finally:
+                await sb.destroy(force=True)
+
+    pid, listed = asyncio.run(go())
+    assert listed == [pid], listed
+
+
+def test_a_snapshot_whose_connection_drops_after_it_was_sent_is_made_once(daemon, tmp_path):
+    """Sent again with its key, the snapshot answers with the image the
+    first one made (a snapshot of the same name again would be refused:
+    the name is taken)."""
+    name = f"keyed-snap-{time.monotonic_ns()}"
+
+    async def go():
+        async with Client(daemon.socket) as direct:
+            sb = await _sandbox(direct)
+            try:
+                await sb.write_file("/tmp/made", b"x")
+                async with CuttingRelay(daemon.socket, str(tmp_path / "r.sock"), "snapshot") as relay:
+                    async with Client(relay.path) as c:
+                        mine = await c.get(sb.id)
+                        made = await mine.snapshot(name)
+                    assert relay.cut.is_set() and relay.seen.count("snapshot") == 2, relay.seen
+                images = [i for i in await direct.list_images() if i["name"] == name]
+                return made, images
+            finally:
+                await sb.destroy(force=True)
+                with contextlib.suppress(Exception):
+                    await direct.request("image_rm", name=name)
+
+    made, images = asyncio.run(go())
+    assert len(images) == 1 and made["name"] == name and made["manifest"] == images[0]["manifest"], (made, images)
 
 
 def test_a_key_given_again_with_other_arguments_is_a_conflict_naming_it(client, sandbox):
@@ -27,6 +167,30 @@ def test_a_key_is_refused_where_a_request_cannot_be_sent_again(client, sandbox):
     with pytest.raises(BadRequest) as e:
         client.request("exec", sandbox=sandbox.id, argv=["true"], stream=True, key="k")
     assert "stream" in e.value.message, e.value.message
+
+
+def test_an_input_whose_connection_drops_after_it_was_sent_reaches_the_process_once(daemon, tmp_path):
+    """Process.write sends its offset in the process's input: sent again,
+    the daemon skips the bytes it wrote before."""
+    async def go():
+        async with Client(daemon.socket) as direct:
+            sb = await _sandbox(direct)
+            try:
+                async with CuttingRelay(daemon.socket, str(tmp_path / "r.sock"), "proc_input") as relay:
+                    async with Client(relay.path) as c:
+                        mine = await c.get(sb.id)
+                        proc = await mine.spawn("cat > /tmp/in")
+                        await proc.write(b"once\n")
+                        await proc.write(b"twice\n")
+                        await proc.close_stdin()
+                        ended = await proc.wait()
+                    assert relay.cut.is_set() and relay.seen.count("proc_input") == 4, relay.seen
+                return ended, await sb.read_file("/tmp/in")
+            finally:
+                await sb.destroy(force=True)
+
+    ended, got = asyncio.run(go())
+    assert ended.exit_code == 0 and got == b"once\ntwice\n", got
 
 
 def test_an_input_at_an_offset_past_what_was_written_is_a_conflict_naming_where_to_send_from(client, sandbox):

@@ -590,6 +590,62 @@ def test_a_create_with_an_idempotency_key_lost_in_a_restart_is_sent_again(tmp_pa
     assert plain.id == "5b1d" and "existing" not in plain.info
 
 
+def test_an_exec_a_spawn_a_snapshot_and_an_input_lost_in_a_restart_are_sent_again_as_they_were(tmp_path):
+    """A daemon whose hello lists op.keys takes a key on a collected exec,
+    a proc_start and a snapshot, and an offset on a proc_input: each goes
+    with one the SDK made, and lost after it was sent goes again with the
+    same, answered by the next daemon (not `existing` to its caller: the
+    request is its own). A daemon that does not list it gets none."""
+    from dsecd.client import Process, Sandbox
+
+    path = str(tmp_path / "d.sock")
+    old_got: list[dict] = []
+    new_got: list[dict] = []
+    servers = []
+    hello = {"limits": {}, "capabilities": ["op.keys"]}
+    answers = {"exec": {"exit_code": 0, "stdout": b"ran\n", "stderr": b"", "existing": True},
+               "proc_start": {"pid": 9, "started": 1.0, "existing": True},
+               "snapshot": {"name": "img", "manifest": "m", "existing": True},
+               "proc_input": {"pid": 9, "written": 2, "skipped": 2}}
+    old = _stand_in(path, servers, old_got, hello, goes_after=4)
+    new = _stand_in(path, servers, new_got, hello, answer=lambda f: answers[f["op"]])
+
+    async def go():
+        servers.append(await asyncio.start_unix_server(old, path))
+        async with Client(path, connect_timeout=20) as c:
+            sb = Sandbox(c, "sb1", {})
+            proc = Process(sb, 9, stdin_at=0)
+            tasks = [asyncio.create_task(sb.exec("true")), asyncio.create_task(sb.spawn("sleep 1")),
+                     asyncio.create_task(sb.snapshot("img")), asyncio.create_task(proc.write(b"in"))]
+            while len(old_got) < 4:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            servers.append(await asyncio.start_unix_server(new, path))
+            try:
+                return await asyncio.gather(*tasks)
+            finally:
+                servers[1].close()
+
+    ran, spawned, snap, _ = asyncio.run(go())
+    assert ran.stdout == b"ran\n" and spawned.pid == 9 and snap == {"name": "img", "manifest": "m"}
+    sent = {f["op"]: f["args"] for f in old_got}
+    again = {f["op"]: f["args"] for f in new_got}
+    assert sent == again, (sent, again)
+    assert all(sent[op]["key"].startswith("sdk-") for op in ("exec", "proc_start", "snapshot"))
+    assert sent["proc_input"]["offset"] == 0 and "key" not in sent["proc_input"]
+
+    got: list[dict] = []
+    plain = _stand_in(str(tmp_path / "p.sock"), [], got, {"limits": {}}, answer=lambda f: answers[f["op"]])
+
+    async def older():
+        async with await asyncio.start_unix_server(plain, str(tmp_path / "p.sock")):
+            async with Client(str(tmp_path / "p.sock")) as c:
+                await Sandbox(c, "sb1", {}).exec("true")
+
+    asyncio.run(older())
+    assert "key" not in got[0]["args"]
+
+
 def test_a_create_given_no_key_names_the_one_it_was_sent_with_when_the_daemon_stays_away(tmp_path):
     """Its caller never saw the key the SDK made: the error says it, so
     that a create with it finds the sandbox the lost one may have made."""
