@@ -2557,14 +2557,18 @@ class Sandbox:
         name, "name:group" or "uid:gid" from the sandbox's /etc/passwd and
         /etc/group (default: the sandbox's user).
         key: idempotency key of a collected exec (no stdin, on_stdout,
-        on_stderr or pty); without one the SDK makes one (where the daemon
-        takes them), so an exec whose answer a lost connection took is sent
-        again once and answered with its one run's result, instead of
-        running twice or not at all. Given again with the same arguments,
-        it is answered with that run's result."""
+        on_stderr or pty); without one the SDK makes one over an ssh://
+        link (where the daemon takes them), so an exec whose answer a lost
+        connection took is sent again once and answered with its one run's
+        result, instead of running twice or not at all. Given again with the
+        same arguments, it is answered with that run's result. On a local
+        socket none is made: a connection lost there is a daemon that
+        stopped, whose successor could only say the exec's outcome is
+        unknown (as ConnectionLost does), and a key costs the daemon a
+        journal write per exec."""
         if stdin is None and on_stdout is None and on_stderr is None and not pty:
             args = self._exec_args(argv, env, cwd, user, timeout, False, False, trace, pty, rows, cols, policy)
-            r = await self._keyed("exec", args, key)
+            r = await self._keyed("exec", args, key, make_key=self.client.remote)
             return ExecResult.from_result(r)
         if key is not None:
             raise ValueError("key is for a collected exec: one with stdin, on_stdout, on_stderr or pty streams "
@@ -2606,12 +2610,12 @@ class Sandbox:
         return Process(self, r["pid"], 0 if counted else None)
 
     async def _keyed(self, op: str, args: dict, key: str | None,
-                     progress: Callable[[dict], None] | None = None) -> dict:
-        """Request `op` (KEYED) with idempotency key `key`, or one the SDK
-        makes where the daemon takes keys for it (its hello lists "op.keys"),
-        so that a lost connection sends it again instead of leaving its
-        outcome unknown."""
-        made_key = key is None and "op.keys" in self.client.server.get("capabilities", ())
+                     progress: Callable[[dict], None] | None = None, make_key: bool = True) -> dict:
+        """Request `op` (KEYED) with idempotency key `key`, or (make_key)
+        one the SDK makes where the daemon takes keys for it (its hello
+        lists "op.keys"), so that a lost connection sends it again instead
+        of leaving its outcome unknown."""
+        made_key = make_key and key is None and "op.keys" in self.client.server.get("capabilities", ())
         if made_key:
             key = _made_key()
         if key is not None:

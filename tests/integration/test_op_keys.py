@@ -81,9 +81,10 @@ async def _sandbox(c: Client):
 
 
 def test_an_exec_whose_connection_drops_after_it_was_sent_runs_once_and_answers(daemon, tmp_path):
-    """The exec goes again on the next connection with the key the SDK gave
-    it, and is answered with the one run's status and output: the command
-    ran once (one line appended), not twice, nor killed with the link."""
+    """The exec goes again on the next connection with its key (the
+    caller's here; over ssh:// the SDK makes one: test_fleet), and is
+    answered with the one run's status and output: the command ran once
+    (one line appended), not twice, nor killed with the link."""
     async def go():
         async with Client(daemon.socket) as direct:
             sb = await _sandbox(direct)
@@ -91,7 +92,8 @@ def test_an_exec_whose_connection_drops_after_it_was_sent_runs_once_and_answers(
                 async with CuttingRelay(daemon.socket, str(tmp_path / "r.sock"), "exec") as relay:
                     async with Client(relay.path) as c:
                         mine = await c.get(sb.id)
-                        r = await mine.exec("echo ran >> /tmp/ran; sleep 0.5; echo out; echo err >&2; exit 3")
+                        r = await mine.exec("echo ran >> /tmp/ran; sleep 0.5; echo out; echo err >&2; exit 3",
+                                            key="ran-once")
                     assert relay.cut.is_set() and relay.seen.count("exec") == 2, relay.seen
                 lines = (await sb.read_file("/tmp/ran")).decode()
                 return r, lines

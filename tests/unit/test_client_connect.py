@@ -593,9 +593,11 @@ def test_a_create_with_an_idempotency_key_lost_in_a_restart_is_sent_again(tmp_pa
 def test_an_exec_a_spawn_a_snapshot_and_an_input_lost_in_a_restart_are_sent_again_as_they_were(tmp_path):
     """A daemon whose hello lists op.keys takes a key on a collected exec,
     a proc_start and a snapshot, and an offset on a proc_input: each goes
-    with one the SDK made, and lost after it was sent goes again with the
-    same, answered by the next daemon (not `existing` to its caller: the
-    request is its own). A daemon that does not list it gets none."""
+    with its key (the caller's for the exec, one the SDK made for the
+    others), and lost after it was sent goes again with the same, answered
+    by the next daemon (not `existing` to its caller: the request is its
+    own). On a local socket the SDK makes no key for an exec (over ssh://
+    it does: test_fleet); a daemon that does not list op.keys gets none."""
     from dsecd.client import Process, Sandbox
 
     path = str(tmp_path / "d.sock")
@@ -615,7 +617,7 @@ def test_an_exec_a_spawn_a_snapshot_and_an_input_lost_in_a_restart_are_sent_agai
         async with Client(path, connect_timeout=20) as c:
             sb = Sandbox(c, "sb1", {})
             proc = Process(sb, 9, stdin_at=0)
-            tasks = [asyncio.create_task(sb.exec("true")), asyncio.create_task(sb.spawn("sleep 1")),
+            tasks = [asyncio.create_task(sb.exec("true", key="mine")), asyncio.create_task(sb.spawn("sleep 1")),
                      asyncio.create_task(sb.snapshot("img")), asyncio.create_task(proc.write(b"in"))]
             while len(old_got) < 4:
                 await asyncio.sleep(0.01)
@@ -631,19 +633,21 @@ def test_an_exec_a_spawn_a_snapshot_and_an_input_lost_in_a_restart_are_sent_agai
     sent = {f["op"]: f["args"] for f in old_got}
     again = {f["op"]: f["args"] for f in new_got}
     assert sent == again, (sent, again)
-    assert all(sent[op]["key"].startswith("sdk-") for op in ("exec", "proc_start", "snapshot"))
+    assert sent["exec"]["key"] == "mine"
+    assert all(sent[op]["key"].startswith("sdk-") for op in ("proc_start", "snapshot"))
     assert sent["proc_input"]["offset"] == 0 and "key" not in sent["proc_input"]
 
-    got: list[dict] = []
-    plain = _stand_in(str(tmp_path / "p.sock"), [], got, {"limits": {}}, answer=lambda f: answers[f["op"]])
+    for name, daemon_hello in (("local.sock", hello), ("older.sock", {"limits": {}})):
+        got: list[dict] = []
+        plain = _stand_in(str(tmp_path / name), [], got, daemon_hello, answer=lambda f: answers[f["op"]])
 
-    async def older():
-        async with await asyncio.start_unix_server(plain, str(tmp_path / "p.sock")):
-            async with Client(str(tmp_path / "p.sock")) as c:
-                await Sandbox(c, "sb1", {}).exec("true")
+        async def exec_unkeyed(sock=str(tmp_path / name), plain=plain):
+            async with await asyncio.start_unix_server(plain, sock):
+                async with Client(sock) as c:
+                    await Sandbox(c, "sb1", {}).exec("true")
 
-    asyncio.run(older())
-    assert "key" not in got[0]["args"]
+        asyncio.run(exec_unkeyed())
+        assert "key" not in got[0]["args"], (name, got)
 
 
 def test_a_create_given_no_key_names_the_one_it_was_sent_with_when_the_daemon_stays_away(tmp_path):
