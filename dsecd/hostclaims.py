@@ -24,7 +24,9 @@ class HostClaims:
     number (sandbox host ids: dsecd/userns.py; addresses on a bridge:
     dsecd/net/ipam.py; published host ports: dsecd/net/nat.py PortClaims).
     Another daemon's claim on any of those bytes makes them taken, however
-    each daemon is configured. The locks are the daemon
+    each daemon is configured; but shared claims (read locks) of one byte
+    coexist, for numbers that several daemons may use at once as long as
+    none holds it exclusively (a host port on single addresses: PortClaims). The locks are the daemon
     process's own: held while it lives, not inherited by the children it
     forks (the zygote), and gone with it however it ends (kill -9 too), so a
     claim never outlives its daemon and the next start claims what its
@@ -43,26 +45,31 @@ class HostClaims:
             self._FDS[path] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self.fd = self._FDS[path]
 
-    def claim(self, start: int, count: int) -> int | None:
+    def claim(self, start: int, count: int, shared: bool = False) -> int | None:
         """Claim start..start+count-1: None once they are this process's,
         else the pid of a process holding some of them (0 if it let go
         meanwhile: they were taken a moment ago, so the range is not handed
-        out either)."""
+        out either). A `shared` claim (a read lock) coexists with other
+        shared ones and excludes only exclusive ones; this process's own
+        claim on those bytes is turned into the kind asked for."""
         try:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, count, start)
+            fcntl.lockf(self.fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB, count, start)
         except OSError as err:
             if err.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
-            return self.holder(start, count)
+            return self.holder(start, count, shared)
         return None
 
     def give_up(self, start: int, count: int) -> None:
         fcntl.lockf(self.fd, fcntl.LOCK_UN, count, start)
 
-    def holder(self, start: int, count: int) -> int:
-        """The pid of another process holding some of start..start+count-1;
-        0 if none does (F_GETLK does not see this process's own claims)."""
+    def holder(self, start: int, count: int, shared: bool = False) -> int:
+        """The pid of another process whose claim on some of
+        start..start+count-1 excludes a claim of this kind (`shared`: only
+        an exclusive one does); 0 if none does (F_GETLK does not see this
+        process's own claims)."""
         # struct flock: l_type, l_whence, l_start, l_len, l_pid (and padding).
-        arg = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, start, count, 0)
+        kind = fcntl.F_RDLCK if shared else fcntl.F_WRLCK
+        arg = struct.pack("hhqqi4x", kind, os.SEEK_SET, start, count, 0)
         l_type, _, _, _, pid = struct.unpack("hhqqi4x", fcntl.fcntl(self.fd, fcntl.F_GETLK, arg))
         return 0 if l_type == fcntl.F_UNLCK else pid

@@ -78,64 +78,116 @@ def _give_up_table(ns_path: str | None, bridge: str) -> None:
 
 class PortClaims:
     """The host ports published in one netns (the bridge's), claimed
-    host-wide: byte `base + port` of PORT_CLAIMS for a TCP port, `base +
-    65536 + port` for a UDP one (HostClaims), where `base` is the netns's
+    host-wide per bind address: two daemons may publish one port on two
+    addresses (their DNAT rules match apart), never one port on one
+    address, nor on every address (bind "") and on any one of them. Two
+    daemons of one netns each pick a host port, check it free (no
+    listener, no other table's DNAT) and then add their DNAT: without the
+    claim both could pick and publish the same one at the same moment. A
+    claim is taken before those checks and held while the publication
+    stands, so one port of one address is never two daemons'.
+
+    The locks (HostClaims) are on byte `base + port` of a file for a TCP
+    port, `base + 65536 + port` for a UDP one, where `base` is the netns's
     block (bridge_block with no bridge name: a host port is the netns's,
-    whichever bridge its DNAT leads to). Two daemons of one netns each pick
-    a host port, check it free (no listener, no other table's DNAT) and
-    then add their DNAT: without the claim both could pick and publish the
-    same one at the same moment. A claim is taken before those checks and
-    held while the publication stands, so one port is never two daemons'.
+    whichever bridge its DNAT leads to):
+      - PORT_CLAIMS, the every-address file: a publication on every
+        address locks the port's byte exclusively there, one on a single
+        address shares it (a read lock), so those on single addresses
+        coexist and exclude one on every address;
+      - PORT_CLAIMS with "-<address>" before ".lock", one file per bind
+        address: a publication on that address locks the byte
+        exclusively there.
+    A daemon of a version that claimed per port only locks its byte in
+    PORT_CLAIMS exclusively, whatever its bind address: it conflicts with
+    every claim of the port here both ways, as it did before.
 
     Each of this daemon's publications claims its port under its own key
     (two publications may share a host port on different bind addresses):
-    the byte is given up when the last of them goes. The lifetime is
-    HostClaims': the daemon process's, so a restarted daemon claims its
-    records' ports again. Not thread-safe by itself: callers hold a lock
-    (Network does)."""
+    a byte is given up when the last of its publications goes. The
+    lifetime is HostClaims': the daemon process's, so a restarted daemon
+    claims its records' ports again. Not thread-safe by itself: callers
+    hold a lock (Network does)."""
 
     def __init__(self, ns_path: str | None, path: str = PORT_CLAIMS):
         self.base = bridge_block(ns_path, "")
+        self.path = path
         self.claims = HostClaims(path)
-        self._users: dict[tuple[str, int], set[str]] = {}     # (protocol, host port) -> publication keys
+        # (protocol, host port) -> bind address ("": every one) -> publication keys
+        self._users: dict[tuple[str, int], dict[str, set[str]]] = {}
 
     def _offset(self, proto: str, port: int) -> int:
         return self.base + (65536 if proto == "udp" else 0) + int(port)
 
-    def claim(self, proto: str, port: int, user: str) -> int | None:
-        """Claim `proto` host port `port` for the publication `user`: None
-        once it is this daemon's, else the pid of the daemon holding it (0:
-        it let go a moment ago)."""
-        users = self._users.get((proto, int(port)))
-        if users:
-            users.add(user)
-            return None
-        pid = self.claims.claim(self._offset(proto, port), 1)
-        if pid is None:
-            self._users[(proto, int(port))] = {user}
-        return pid
+    def _bound(self, bind: str) -> HostClaims:
+        """The claims of the single address `bind` (opened once per process, as every HostClaims file)."""
+        return HostClaims(f"{self.path.removesuffix('.lock')}-{bind}.lock")
 
-    def give_up(self, proto: str, port: int, user: str) -> None:
-        """The publication `user` no longer holds the port (a no-op if it did
-        not); the byte goes with the port's last one."""
-        users = self._users.get((proto, int(port)))
-        if users is None or user not in users:
+    def _set_every_address(self, proto: str, port: int, binds) -> int | None:
+        """Lock the port's byte of PORT_CLAIMS as `binds` (this daemon's bind
+        addresses of it) need: exclusively if one is "" (every address),
+        shared if there are only single ones, not at all if none. None once it
+        is; else the pid of the daemon whose claim excludes it (this daemon's
+        lock is then left as it was)."""
+        off = self._offset(proto, port)
+        if not binds:
+            self.claims.give_up(off, 1)
+            return None
+        return self.claims.claim(off, 1, shared="" not in binds)
+
+    def claim(self, proto: str, port: int, user: str, bind: str = "") -> int | None:
+        """Claim `proto` host port `port` on `bind` ("": every address) for
+        the publication `user`: None once it is this daemon's, else the pid
+        of the daemon holding it (0: it let go a moment ago)."""
+        port = int(port)
+        held = self._users.get((proto, port), {})
+        if bind in held:
+            held[bind].add(user)
+            return None
+        had = set(held)
+        if "" not in had and (not had or not bind):     # the every-address lock is taken or made exclusive
+            pid = self._set_every_address(proto, port, had | {bind})
+            if pid is not None:
+                return pid
+        if bind:
+            pid = self._bound(bind).claim(self._offset(proto, port), 1)
+            if pid is not None:
+                self._set_every_address(proto, port, had)     # as it was
+                return pid
+        self._users.setdefault((proto, port), {})[bind] = {user}
+        return None
+
+    def give_up(self, proto: str, port: int, user: str, bind: str = "") -> None:
+        """The publication `user` no longer holds the port on `bind` (a no-op
+        if it did not); the bytes go with the last one."""
+        port = int(port)
+        held = self._users.get((proto, port))
+        if held is None or user not in held.get(bind, ()):
             return
-        users.discard(user)
-        if not users:
-            del self._users[(proto, int(port))]
-            self.claims.give_up(self._offset(proto, port), 1)
+        held[bind].discard(user)
+        if held[bind]:
+            return
+        del held[bind]
+        if bind:
+            self._bound(bind).give_up(self._offset(proto, port), 1)
+        if not held:
+            del self._users[(proto, port)]
+        if not held or not bind:        # let go, or made shared again (never refused: it was exclusive)
+            self._set_every_address(proto, port, set(held))
 
     def keep_only(self, users: set[str]) -> None:
         """Give up every claim of a publication not in `users` (those a
         restart claimed for records whose sandbox is gone, or whose port was
         not published again)."""
-        for (proto, port), held in list(self._users.items()):
-            for user in held - users:
-                self.give_up(proto, port, user)
+        for (proto, port), binds in list(self._users.items()):
+            for bind, held in list(binds.items()):
+                for user in held - users:
+                    self.give_up(proto, port, user, bind)
 
-    def held(self) -> dict[tuple[str, int], set[str]]:
-        return {k: set(v) for k, v in self._users.items()}
+    def held(self) -> dict[tuple[str, str, int], set[str]]:
+        """(protocol, bind address, host port) -> the keys of this daemon's publications holding it."""
+        return {(proto, bind, port): set(keys)
+                for (proto, port), binds in self._users.items() for bind, keys in binds.items()}
 
 
 def table_name(bridge: str) -> str:
@@ -605,15 +657,19 @@ class HostNat:
         finally:
             s.close()
 
-    def dnat_ports_of_others(self, proto: str = "tcp") -> set[int]:
+    def dnat_ports_of_others(self, proto: str = "tcp") -> dict[int, set[str]]:
         """The `proto` (tcp|udp) ports other tables of the netns DNAT (another
-        daemon's published ports, a container engine's): a publication of one of
-        them here too would not get its connections (the other table's rule, at
-        the same hook, sees them as well), so they count as taken."""
+        daemon's published ports, a container engine's), each with the IPv4
+        addresses its rules match (`ip daddr == A`; "" for a rule matching no
+        single one: every address, as far as this can tell). A publication
+        of one of them on one of those addresses here too would not get its
+        connections (the other table's rule, at the same hook, sees them as
+        well), so it counts as taken there."""
         with self._lock:
             items = self._run([{"list": {"ruleset": None}}], f"list the ruleset of {self._where()}")
         dport = {"payload": {"protocol": proto, "field": "dport"}}
-        ports: set[int] = set()
+        daddr = {"payload": {"protocol": "ip", "field": "daddr"}}
+        ports: dict[int, set[str]] = {}
         for it in items:
             r = it.get("rule") if isinstance(it, dict) else None
             if not r or (r.get("family"), r.get("table")) == (FAMILY, self.table):
@@ -621,10 +677,13 @@ class HostNat:
             exprs = r.get("expr") or []
             if not any("dnat" in e or "redirect" in e for e in exprs):
                 continue
-            for e in exprs:
-                m = e.get("match") or {}
-                if m.get("op") == "==" and m.get("left") == dport and isinstance(m.get("right"), int):
-                    ports.add(m["right"])
+            matches = [e["match"] for e in exprs if isinstance(e.get("match"), dict) and e["match"].get("op") == "=="]
+            addr = next((m["right"] for m in matches if m.get("left") == daddr and isinstance(m.get("right"), str)
+                         and not m["right"].startswith("@")),
+                        "")
+            for m in matches:
+                if m.get("left") == dport and isinstance(m.get("right"), int):
+                    ports.setdefault(m["right"], set()).add(addr)
         return ports
 
     def publish(self, key: str, host_port: int, bind: str, sb_addr: str, port: int, proto: str = "tcp") -> None:

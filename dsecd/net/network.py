@@ -378,12 +378,13 @@ class Network:
             for pub in recorded_ports(rec):
                 try:
                     key = _nat_key(sb_id, int(pub["port"]), pub["protocol"])
-                    pid = self.port_claims.claim(pub["protocol"], int(pub["host_port"]), key)
+                    pid = self.port_claims.claim(pub["protocol"], int(pub["host_port"]), key, pub["bind"])
                 except (KeyError, TypeError, ValueError):
                     continue                  # a torn entry: its republish says so
                 if pid is not None:
-                    log.warning("sandbox %s: host port %s/%s of its port %s is another daemon's now%s",
-                                sb_id, pub["host_port"], pub["protocol"], pub["port"], pids_note([pid]))
+                    log.warning("sandbox %s: host port %s/%s on %s of its port %s is another daemon's now%s",
+                                sb_id, pub["host_port"], pub["protocol"], pub["bind"] or "every address",
+                                pub["port"], pids_note([pid]))
 
     def _published_keys(self) -> set[str]:
         """The keys of every publication this daemon has (_nat_key)."""
@@ -802,6 +803,11 @@ class Network:
         that protocol here, no other daemon's claim (nat.PortClaims), no other
         table's DNAT of it and no socket of it on the host side has (TCP and
         UDP ports of one number are apart). Returned claimed for `key`."""
+        def dnated(hp: int) -> bool:
+            """Whether another table's DNAT of `hp` matches connections to `bind` too."""
+            addrs = others.get(hp)
+            return bool(addrs) and (not bind or "" in addrs or bind in addrs)
+
         def taken(hp: int) -> str | None:
             for (proto, b, p), owner in self._host_ports.items():
                 if proto == protocol and p == hp and (not b or not bind or b == bind):
@@ -813,15 +819,15 @@ class Network:
             others = nat.dnat_ports_of_others(protocol)
         except NatError as err:
             log.warning("publish a port of sandbox %s: %s; host ports other tables DNAT are not avoided", sb_id, err)
-            others = set()
+            others = {}
         if host_port is not None:
             owner = taken(host_port)
             if owner is not None:
                 raise Conflict(f"host port {shown} is published already (sandbox {owner}); pick another "
                                "--host-port", {"host_port": host_port, "protocol": protocol})
-            self._claim_port(protocol, int(host_port), key)
+            self._claim_port(protocol, int(host_port), key, bind)
             try:
-                if host_port in others:
+                if dnated(host_port):
                     raise Conflict(f"host port {shown} is DNATed by another nftables table of the host side "
                                    "(the bridge's network namespace: another daemon's published port, or a "
                                    "container engine's); pick another --host-port",
@@ -832,36 +838,39 @@ class Network:
                     raise Conflict(err.strerror or str(err),
                                    {"host_port": host_port, "protocol": protocol}) from None
             except BaseException:
-                self.port_claims.give_up(protocol, int(host_port), key)
+                self.port_claims.give_up(protocol, int(host_port), key, bind)
                 raise
             return int(host_port)
         lo, hi = self.publish_range
         held_by: set[int] = set()
         for hp in range(lo, hi + 1):
-            if taken(hp) is None and hp not in others:
-                pid = self.port_claims.claim(protocol, hp, key)
+            if taken(hp) is None and not dnated(hp):
+                pid = self.port_claims.claim(protocol, hp, key, bind)
                 if pid is not None:         # another daemon's, maybe not DNATed yet: passed over
                     held_by.add(pid)
                     continue
                 try:
                     nat.check_host_port(hp, bind, protocol)
                 except NatError:
-                    self.port_claims.give_up(protocol, hp, key)
+                    self.port_claims.give_up(protocol, hp, key, bind)
                     continue
                 return hp
         raise LimitExceeded(f"no free {protocol.upper()} host port in net.publish_ports {lo}-{hi} "
                             f"for sandbox {sb_id}"
                             + (f" (some are other daemons'{pids_note(held_by)})" if held_by else ""))
 
-    def _claim_port(self, protocol: str, host_port: int, key: str) -> None:
-        """Claim `protocol` `host_port` for the publication `key`; Conflict
-        naming the daemon that holds it."""
-        pid = self.port_claims.claim(protocol, host_port, key)
+    def _claim_port(self, protocol: str, host_port: int, key: str, bind: str) -> None:
+        """Claim `protocol` `host_port` on `bind` ("": every address) for the
+        publication `key`; Conflict naming the daemon that holds it."""
+        pid = self.port_claims.claim(protocol, host_port, key, bind)
         if pid is not None:
             shown = f"{host_port}/udp" if protocol == "udp" else host_port
+            where = (f"on {bind} or on every address" if bind
+                     else "on some address (a publication on every address takes the port on each)")
             raise Conflict(f"host port {shown} is published by another dsecd daemon of the host side (the "
-                           f"bridge's network namespace){pids_note([pid])}; pick another --host-port",
-                           {"host_port": host_port, "protocol": protocol, "pid": pid})
+                           f"bridge's network namespace){pids_note([pid])}, {where}; pick another --host-port"
+                           + ("" if bind else " or --bind an address it is not published on"),
+                           {"host_port": host_port, "protocol": protocol, "bind": bind, "pid": pid})
 
     def _publish_rules(self, nat: HostNat, sb: _Sandbox, pub: dict) -> None:
         """The publication's DNAT, and for UDP the BPF side's entry that lets
@@ -871,7 +880,7 @@ class Network:
         addr = sb.ipv4.split("/")[0]
         port, proto = pub["port"], pub["protocol"]
         key = _nat_key(sb.id, port, proto)
-        self._claim_port(proto, pub["host_port"], key)      # held already when picked (or restored)
+        self._claim_port(proto, pub["host_port"], key, pub["bind"])   # held already when picked (or restored)
         try:                                                # given up if it is not published
             if proto == "udp":
                 self.engine.publish_udp(sb.cgroup_id, port)
@@ -882,7 +891,7 @@ class Network:
                     self.engine.unpublish_udp(sb.cgroup_id, port)
                 raise
         except BaseException:
-            self.port_claims.give_up(proto, pub["host_port"], key)
+            self.port_claims.give_up(proto, pub["host_port"], key, pub["bind"])
             raise
         sb.ports[(port, proto)] = pub
         self._host_ports[(proto, pub["bind"], pub["host_port"])] = sb.id
@@ -905,7 +914,7 @@ class Network:
             self.nat.forget_flows(pub["host_port"], sb.ipv4.split("/")[0], port, proto)
         del sb.ports[key]
         self._host_ports.pop((proto, pub["bind"], pub["host_port"]), None)
-        self.port_claims.give_up(proto, pub["host_port"], _nat_key(sb.id, port, proto))
+        self.port_claims.give_up(proto, pub["host_port"], _nat_key(sb.id, port, proto), pub["bind"])
 
     def unpublish(self, sb_id: str, port: int, protocol: str = "tcp") -> dict:
         protocol = check_protocol(protocol)
@@ -1515,7 +1524,7 @@ class Network:
                     # Another daemon may hold it now (claimed while none of
                     # ours did): refused, naming it.
                     self._claim_port(pub["protocol"], int(pub["host_port"]),
-                                     _nat_key(sb.id, int(pub["port"]), pub["protocol"]))
+                                     _nat_key(sb.id, int(pub["port"]), pub["protocol"]), pub["bind"])
                 # While no daemon ran (its table goes at stop) a process of the
                 # host side may have taken the port: the DNAT would hide it.
                 nat.check_host_port(int(pub["host_port"]), pub["bind"], pub["protocol"])

@@ -596,6 +596,53 @@ def test_two_daemons_publishing_at_once_never_share_a_host_port(iworld, natd, da
         other.stop(signal.SIGTERM)
 
 
+def test_two_daemons_publish_one_host_port_on_two_addresses_not_on_every_one(iworld, natd, daemon_factory,
+                                                                              busybox_rootfs):
+    """Host ports are claimed per bind address (nat.PortClaims): two daemons
+    of one bridge netns publish one host port on two of its addresses, each
+    reaching its own sandbox; a publication on every address takes the port
+    on each, so it and one on a single address refuse each other, naming
+    the daemon that holds the port."""
+    d, c = natd
+    cfg = dict(iworld.cfg, bridge="dsec1", ipv4_subnet="10.77.0.0/16", ipv4_pool="10.77.1.0/24", ipv6_subnet="")
+    other = daemon_factory(_toml_net(cfg).replace("[net]\n", '[net]\nuplink = "auto"\n'))
+    oc = other.client()
+    try:
+        oc.import_image(busybox_rootfs, "busybox")
+        mine, theirs = c.create(image="busybox", net="default"), oc.create(image="busybox", net="default")
+        for sb, page in ((mine, "page-of-the-first"), (theirs, "page-of-the-second")):
+            sb.exec(["sh", "-c", f"mkdir -p /tmp/www && echo {page} > /tmp/www/index.html"])
+            _serve(sb, 8080, "httpd -p 8080 -h /tmp/www")
+        # Two addresses of the bridge netns: each daemon's bridge gateway.
+        first_addr, second_addr = f"10.{iworld.octet}.0.1", "10.77.0.1"
+        hp = mine.publish(8080, bind=first_addr)["host_port"]
+        assert theirs.publish(8080, host_port=hp, bind=second_addr)["host_port"] == hp
+        assert "page-of-the-first" in iworld.in_bridge_netns(http_get, f"{first_addr}:{hp}")
+        assert "page-of-the-second" in iworld.in_bridge_netns(http_get, f"{second_addr}:{hp}")
+        # On the other's address, or on every address: refused, naming the other daemon.
+        with pytest.raises(DsecError, match=rf"host port {hp} is published by another dsecd daemon .*"
+                                            rf"\(pid {d.proc.pid}\), on {first_addr} or on every address"):
+            theirs.publish(9090, host_port=hp, bind=first_addr)
+        narrow = theirs.publish(7070, bind=second_addr)["host_port"]
+        with pytest.raises(DsecError, match=rf"host port {narrow} is published by another dsecd daemon .*"
+                                            rf"\(pid {other.proc.pid}\), on some address"):
+            mine.publish(7070, host_port=narrow)
+        # The other way round: a port published on every address is taken on each.
+        wide = mine.publish(9090)["host_port"]
+        with pytest.raises(DsecError, match=rf"host port {wide} is published by another dsecd daemon .*"
+                                            rf"\(pid {d.proc.pid}\), on {second_addr} or on every address"):
+            theirs.publish(9090, host_port=wide, bind=second_addr)
+        # Unpublished, the first address's port is free for the other daemon there.
+        mine.unpublish(8080)
+        theirs.unpublish(8080)
+        assert theirs.publish(8080, host_port=hp, bind=first_addr)["host_port"] == hp
+        assert "page-of-the-second" in iworld.in_bridge_netns(http_get, f"{first_addr}:{hp}")
+    finally:
+        oc.destroy_all(force=True)      # its table goes at its stop only with no sandbox left
+        oc.close()
+        other.stop(signal.SIGTERM)
+
+
 def _tracked_from(ns: str, addr: str) -> list:
     """The conntrack entries of the netns `ns` whose original direction comes from `addr`."""
     from pyroute2 import Conntrack
