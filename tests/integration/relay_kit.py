@@ -1,0 +1,71 @@
+"""A relay between a client and the daemon that cuts the connection right
+after a request of a given op went by (an ssh:// link lost mid-request):
+for the tests of what a request sent again does (idempotency keys, input
+offsets) on either backend."""
+
+from __future__ import annotations
+
+import asyncio
+
+from dsecd import protocol
+
+
+class CuttingRelay:
+    """A unix socket relaying to the daemon's, byte for byte, that drops
+    the first connection on which a request of op `cut_op` goes by: both
+    of its sides are aborted right after that request was passed on to the
+    daemon, before any answer to it came back. Later connections (the SDK's
+    reconnect) are relayed as they are."""
+
+    def __init__(self, daemon_socket: str, path: str, cut_op: str):
+        self.daemon_socket = daemon_socket
+        self.path = path
+        self.cut_op = cut_op
+        self.cut = asyncio.Event()
+        self.seen: list[str] = []      # the ops of the requests relayed, in order
+        self._server = None
+        self._links: set[asyncio.Task] = set()
+
+    async def __aenter__(self) -> CuttingRelay:
+        self._server = await asyncio.start_unix_server(self._relay, self.path)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._server.close()
+        for task in self._links:
+            task.cancel()
+        await asyncio.gather(*self._links, return_exceptions=True)
+
+    async def _relay(self, client_reader, client_writer) -> None:
+        self._links.add(asyncio.current_task())
+        daemon_reader, daemon_writer = await asyncio.open_unix_connection(self.daemon_socket)
+
+        async def to_daemon() -> None:
+            frames = protocol.FrameDecoder(1 << 30)
+            while data := await client_reader.read(65536):
+                daemon_writer.write(data)
+                await daemon_writer.drain()
+                for frame in frames.feed(data):
+                    self.seen.append(frame.get("op"))
+                    if frame.get("op") == self.cut_op and not self.cut.is_set():
+                        self.cut.set()
+                        daemon_writer.transport.abort()
+                        client_writer.transport.abort()
+                        return
+
+        async def to_client() -> None:
+            while data := await daemon_reader.read(65536):
+                client_writer.write(data)
+                await client_writer.drain()
+
+        try:
+            up = asyncio.ensure_future(to_daemon())
+            down = asyncio.ensure_future(to_client())
+            await asyncio.wait([up, down], return_when=asyncio.FIRST_COMPLETED)
+            for task in (up, down):
+                task.cancel()
+            await asyncio.gather(up, down, return_exceptions=True)
+        finally:
+            for writer in (daemon_writer, client_writer):
+                writer.transport.abort()
+            self._links.discard(asyncio.current_task())
