@@ -44,6 +44,7 @@ import collections
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import os
 import shutil
@@ -249,6 +250,11 @@ class BgProc:
         self.vm: bool = bool(rec.get("vm"))
         self.vm_stdin: bool = self.vm and rec["state"] == "running" and rec.get("stdin", True)
         self.vm_in = 0              # input bytes the agent took (the offset of the next)
+        # The agent's input request of a proc_input that was cancelled (its
+        # client went: an ssh:// link cut) while the agent held its data for
+        # a process that did not read: it runs on until the pipe took it,
+        # and the next input waits for it (the agent takes one at a time).
+        self.vm_input: asyncio.Task | None = None
         # Input bytes written to a container process's stdin (the offset of
         # the next; proc_input's `offset` is checked against it): 0 at its
         # start; journaled by a clean stop and taken off the record by the
@@ -664,6 +670,12 @@ class ProcessService:
 
     async def _input_vm(self, sb: Sandbox, proc: BgProc, req) -> dict:
         async with proc.stdin_lock:
+            if proc.vm_input is not None:
+                # Its own errors went with the request that was cancelled;
+                # what it took is in vm_in, or (a channel gone meanwhile)
+                # the agent skips it by its offset.
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(proc.vm_input)
             # What the agent took may be more than vm_in says (a request cut
             # before its answer): the agent skips that part by its offset too.
             data = _not_written_yet(sb, proc, req, proc.vm_in)
@@ -673,8 +685,14 @@ class ProcessService:
                 why = "has exited" if not proc.running else "has no stdin open (closed, or started without it)"
                 raise Conflict(f"process {proc.pid} in sandbox {sb.id} {why}: cannot write to its stdin",
                                {"sandbox": sb.id, "pid": proc.pid, "state": "running" if proc.running else "exited"})
+            sending = asyncio.ensure_future(self.vm.input(sb, proc, data, req.eof))
+            sending.add_done_callback(functools.partial(_input_sent, proc))
+            proc.vm_input = sending
             try:
-                await self.vm.input(sb, proc, data, req.eof)
+                # Shielded: cancelled, this request leaves its input to the
+                # agent, which holds it anyway; the request sent again waits
+                # for it instead of finding the agent busy with it.
+                await asyncio.shield(sending)
             except BrokenPipeError as err:
                 why = "has exited" if not proc.running else "closed its stdin; nothing more reaches it"
                 raise Conflict(f"process {proc.pid} in sandbox {sb.id} {why}",
@@ -820,6 +838,8 @@ class ProcessService:
                     self._close_end(proc, name)
                 if proc._grace is not None:
                     proc._grace.cancel()
+                if proc.vm_input is not None:       # the agent keeps the input: the next daemon's to wait for
+                    proc.vm_input.cancel()
                 if not proc.vm:
                     if proc.stdin_in is not None:
                         proc.rec["stdin_in"] = proc.stdin_in
@@ -972,6 +992,16 @@ class _Seat:
     def sent_all(self) -> bool:
         """Waiting for output past all the ring holds (or for the process's end)."""
         return self.waiting and self.pos >= self.proc.ring.written
+
+
+def _input_sent(proc: BgProc, sending: asyncio.Task) -> None:
+    """A microVM process's input request ended: the next input need not
+    wait for it (its error, if any, was its request's, or nobody's once
+    that was cancelled)."""
+    if proc.vm_input is sending:
+        proc.vm_input = None
+    if not sending.cancelled():
+        sending.exception()
 
 
 def _not_written_yet(sb: Sandbox, proc: BgProc, req, taken: int | None) -> bytes:

@@ -6,6 +6,7 @@ offsets) on either backend."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 from dsecd import protocol
 
@@ -14,14 +15,18 @@ class CuttingRelay:
     """A unix socket relaying to the daemon's, byte for byte, that drops
     the first connection on which a request of op `cut_op` goes by: both
     of its sides are aborted right after that request was passed on to the
-    daemon, before any answer to it came back. Later connections (the SDK's
+    daemon, before any answer to it came back; or, given `cut_after` (an
+    awaitable: the daemon acting on the request, seen from elsewhere),
+    once that came, still before the answer. Later connections (the SDK's
     reconnect) are relayed as they are."""
 
-    def __init__(self, daemon_socket: str, path: str, cut_op: str):
+    def __init__(self, daemon_socket: str, path: str, cut_op: str, cut_after: Awaitable | None = None):
         self.daemon_socket = daemon_socket
         self.path = path
         self.cut_op = cut_op
+        self.cut_after = cut_after
         self.cut = asyncio.Event()
+        self.resent = asyncio.Event()  # a request of `cut_op` went by after the cut
         self.seen: list[str] = []      # the ops of the requests relayed, in order
         self._server = None
         self._links: set[asyncio.Task] = set()
@@ -47,7 +52,11 @@ class CuttingRelay:
                 await daemon_writer.drain()
                 for frame in frames.feed(data):
                     self.seen.append(frame.get("op"))
+                    if frame.get("op") == self.cut_op and self.cut.is_set():
+                        self.resent.set()
                     if frame.get("op") == self.cut_op and not self.cut.is_set():
+                        if self.cut_after is not None:
+                            await self.cut_after
                         self.cut.set()
                         daemon_writer.transport.abort()
                         client_writer.transport.abort()

@@ -131,6 +131,53 @@ def test_input_to_a_vm_process_whose_connection_drops_reaches_it_once(daemon, vm
     assert ended.exit_code == 0 and got == b"once\ntwice\n", got
 
 
+def test_a_chunk_the_agent_took_in_part_when_the_connection_dropped_goes_in_once(daemon, vm, tmp_path):
+    """The process reads one byte, says so, then nothing until /tmp/go
+    exists: of a chunk larger than its pipe, the agent holds what the pipe
+    did not take, and the request waits for it. Its connection cut then,
+    the SDK sends it again at the same offset while the agent still holds
+    that input: it must wait for it and skip what was taken, not fail with
+    the agent busy nor write it twice."""
+    chunk = bytes(range(256)) * 1024          # 256 KiB: four pipes' worth
+
+    async def go():
+        async with Client(daemon.socket) as direct:
+            sb = await direct.get(vm.id)
+            await sb.exec(["rm", "-f", "/tmp/go", "/tmp/first", "/tmp/big"])
+            took = asyncio.get_running_loop().create_future()
+
+            async def await_took(pid: int) -> None:
+                async for out in sb.process(pid).output():
+                    if b"took" in out.data:
+                        took.set_result(None)
+                        return
+
+            try:
+                async with CuttingRelay(daemon.socket, str(tmp_path / "r.sock"), "proc_input", cut_after=took) as relay:
+                    async with Client(relay.path) as c:
+                        mine = await c.get(vm.id)
+                        proc = await mine.spawn("dd bs=1 count=1 of=/tmp/first 2>/dev/null; echo took; "
+                                                "until [ -e /tmp/go ]; do sleep 0.1; done; cat > /tmp/big")
+                        watching = asyncio.create_task(await_took(proc.pid))
+                        writing = asyncio.create_task(proc.write(chunk))
+                        await relay.resent.wait()
+                        # The process reads on only once the input sent again is on its way to the agent.
+                        await sb.write_file("/tmp/go", b"")
+                        await writing
+                        await watching
+                        await proc.write(b"tail")
+                        await proc.close_stdin()
+                        ended = await proc.wait()
+                    assert relay.seen.count("proc_input") == 4, relay.seen
+                return ended, await sb.read_file("/tmp/first") + await sb.read_file("/tmp/big")
+            finally:
+                await _kill_all(sb)
+
+    ended, got = asyncio.run(go())
+    assert ended.exit_code == 0, ended
+    assert len(got) == len(chunk) + 4 and got == chunk + b"tail", f"{len(got)} bytes, not {len(chunk) + 4}"
+
+
 def test_input_to_a_vm_process_past_what_was_written_is_a_conflict_naming_where_to_send_from(client, vm):
     proc = vm.spawn("cat > /dev/null")
     try:
