@@ -1012,6 +1012,10 @@ def _not_written_yet(sb: Sandbox, proc: BgProc, req, taken: int | None) -> bytes
     if req.offset is None:
         return req.data
     where = {"sandbox": sb.id, "pid": proc.pid, "offset": req.offset}
+    if req.offset < 0:
+        # Taken as an offset, it would drop the data's first bytes unwritten as "skipped".
+        raise BadRequest(f"proc_input: offset must be 0 or more (where the data begins in all the input "
+                         f"sent to process {proc.pid}'s stdin), got {req.offset}", where)
     if taken is None:
         raise Conflict(f"process {proc.pid} in sandbox {sb.id}: how much input its stdin took is unknown (the "
                        "daemon before this one died with the count), so input at an offset cannot be checked; "

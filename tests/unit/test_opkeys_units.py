@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import types
 
 import pytest
 
@@ -15,6 +16,7 @@ from dsecd import protocol
 from dsecd.engine import opkeys
 from dsecd.engine.execs import exec_summary
 from dsecd.engine.opkeys import KEY_TTL_S, KEYS_PER_SANDBOX, OpKeys
+from dsecd.engine.procs import _not_written_yet
 from dsecd.engine.sandboxes import Sandbox, SandboxRegistry
 from dsecd.errors import BadRequest, Conflict
 
@@ -279,3 +281,14 @@ async def _started() -> dict:
 
 async def _as_it_was(answer: dict) -> dict:
     return answer
+
+
+def test_an_input_at_a_negative_offset_is_refused_not_cut():
+    """An offset before the input's start is no offset at all: taken as
+    one, `data[taken - offset:]` dropped its first bytes unwritten and
+    answered that they were skipped."""
+    proc = types.SimpleNamespace(pid=7)
+    req = protocol.ProcInput(sandbox="sb1", pid=7, data=b"hello world", offset=-5)
+    with pytest.raises(BadRequest) as e:
+        _not_written_yet(World().sb, proc, req, 0)
+    assert "offset" in e.value.message and e.value.detail["offset"] == -5
