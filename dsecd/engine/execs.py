@@ -278,8 +278,11 @@ class ExecLimits:
 def exec_summary(result: dict) -> dict:
     """What a keyed exec's key keeps of its result once the output is gone
     (dsecd/engine/opkeys.py): its end and how many bytes of output it had."""
-    return {"exit_code": result.get("exit_code"), "signal": result.get("signal"),
-            "timed_out": bool(result.get("timed_out")), "bytes": output_bytes(result)}
+    summary = {"exit_code": result.get("exit_code"), "signal": result.get("signal"),
+               "timed_out": bool(result.get("timed_out")), "bytes": output_bytes(result)}
+    if result.get("trace"):
+        summary["traced"] = True        # its trace went with its output
+    return summary
 
 
 async def _no_oom_count(sb: Sandbox, before: int) -> bool:

@@ -22,10 +22,11 @@ What is kept, and for how long:
 - At most KEYS_PER_SANDBOX keys of ended requests per sandbox, the oldest
   forgotten first, and none past KEY_TTL_S: a key forgotten is free again
   (a request with it runs anew). A key also goes with its sandbox.
-- A collected exec's whole answer (its output) is kept in memory, at most
-  KEPT_OUTPUT_BYTES of output over the daemon, the oldest dropped first;
-  an exec sent again after its output was dropped gets its status and an
-  error saying how many bytes of output were lost.
+- A collected exec's whole answer (its output, and its trace if traced) is
+  kept in memory, at most KEPT_OUTPUT_BYTES of output and traces over the
+  daemon, the oldest dropped first; an exec sent again after its output was
+  dropped gets its status and an error saying how many bytes of output
+  were lost.
 
 A request under a key does not die with its connection (a lost link is what
 the key is for): it runs on, and its answer waits for the request sent
@@ -93,6 +94,15 @@ def output_bytes(result: dict) -> int:
     return len(result.get("stdout") or b"") + len(result.get("stderr") or b"")
 
 
+def kept_bytes(answer: dict) -> int:
+    """What an ended request's answer kept in memory counts against
+    KEPT_OUTPUT_BYTES: its output, and a traced exec's trace (up to
+    limits.max_trace_bytes of the tracer's JSON, often more than its
+    output), as that JSON."""
+    trace = answer.get("trace")
+    return output_bytes(answer) + (len(json.dumps(trace, default=str)) if trace else 0)
+
+
 class OpKeys:
     """The keys of the sandboxes' keyed requests (see the module's doc).
     `clock`: wall time, when a key began (journaled)."""
@@ -103,8 +113,9 @@ class OpKeys:
         # (sandbox id, key) -> the request under way, done with its answer
         # (None: it failed or was cancelled).
         self._running: dict[tuple[str, str], asyncio.Future] = {}
-        # (sandbox id, key) -> the whole answer of an ended request, oldest first.
-        self._answers: collections.OrderedDict[tuple[str, str], dict] = collections.OrderedDict()
+        # (sandbox id, key) -> the whole answer of an ended request and its
+        # kept_bytes (counted once), oldest first.
+        self._answers: collections.OrderedDict[tuple[str, str], tuple[dict, int]] = collections.OrderedDict()
         self._answer_bytes = 0
         # (sandbox id, key) -> the summary of an ended exec, not journaled.
         self._summaries: dict[tuple[str, str], dict] = {}
@@ -233,7 +244,7 @@ class OpKeys:
         there is none."""
         kept = self._answers.get((sb.id, key))
         if kept is not None:
-            return kept
+            return kept[0]
         what = f"{op} with key {key!r} in sandbox {sb.id}"
         detail = {"key": key, "sandbox": sb.id, "op": op}
         if entry.get("cancelled"):
@@ -250,9 +261,11 @@ class OpKeys:
         if again is not None:
             return await again(summary)
         lost = summary.get("bytes", 0)
-        raise Conflict(f"{what} ended ({_status(summary)}), but its output of {lost} bytes is no longer "
+        trace = " and its trace are" if summary.get("traced") else " is"
+        raise Conflict(f"{what} ended ({_status(summary)}), but its output of {lost} bytes{trace} no longer "
                        f"kept (the daemon keeps the last {KEPT_OUTPUT_BYTES >> 20} MiB of keyed execs' "
-                       "output): that many bytes were lost; send it under another key to run it again",
+                       "output and traces): that many bytes were lost; send it under another key to run it "
+                       "again",
                        {**detail, **summary, "outcome": "output_lost", "lost_bytes": lost})
 
     @staticmethod
@@ -264,15 +277,16 @@ class OpKeys:
                            "answer, or another key", {"key": req.key, "sandbox": req.sandbox})
 
     def _keep(self, at: tuple[str, str], answer: dict) -> None:
-        self._answers[at] = answer
-        self._answer_bytes += output_bytes(answer)
+        size = kept_bytes(answer)
+        self._answers[at] = (answer, size)
+        self._answer_bytes += size
         while self._answer_bytes > KEPT_OUTPUT_BYTES and self._answers:
             self._drop_answer(next(iter(self._answers)))
 
     def _drop_answer(self, at: tuple[str, str]) -> None:
-        answer = self._answers.pop(at, None)
-        if answer is not None:
-            self._answer_bytes -= output_bytes(answer)
+        kept = self._answers.pop(at, None)
+        if kept is not None:
+            self._answer_bytes -= kept[1]
 
     def _expire(self, sb) -> None:
         """Forget the sandbox's keys of ended requests older than KEY_TTL_S."""

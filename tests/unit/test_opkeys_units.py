@@ -114,6 +114,38 @@ def test_a_sandbox_keeps_the_keys_of_its_latest_requests_only():
     assert len(journaled) == KEYS_PER_SANDBOX and "k0" in journaled and "k1" not in journaled
 
 
+def test_the_traces_of_keyed_execs_count_against_what_the_daemon_keeps(monkeypatch):
+    """A traced exec's answer holds its trace (up to limits.max_trace_bytes,
+    1 MiB, of the tracer's JSON) beside its output: kept uncounted, a
+    daemon's traced keyed execs of no output held up to 1 MiB each, 32 per
+    sandbox, whatever KEPT_OUTPUT_BYTES said."""
+    trace = {"execs": [{"argv": ["/bin/true"], "path": "/bin/true" * 8}] * 4}
+    monkeypatch.setattr(opkeys, "KEPT_OUTPUT_BYTES", len(json.dumps(trace)) + 10)
+    w = World()
+
+    async def traced(n: int) -> dict:
+        req = protocol.Exec(sandbox="sb1", argv=["true", str(n)], stream=False, trace=True, key=f"k{n}")
+
+        async def run() -> dict:
+            w.runs.append(req.argv)
+            return {"exit_code": 0, "signal": None, "stdout": b"", "stderr": b"", "timed_out": False,
+                    "trace": trace}
+
+        return await w.registry.op_keys.once(w.sb, "exec", req, _Ctx(), run, exec_summary)
+
+    async def go():
+        await traced(1)
+        await traced(2)                     # the two traces are past the cap: the first's goes
+        with pytest.raises(Conflict) as e:
+            await traced(1)
+        return e.value, await traced(2)
+
+    err, kept = asyncio.run(go())
+    assert err.detail["outcome"] == "output_lost" and kept["trace"] == trace and kept["existing"] is True
+    assert "output of 0 bytes and its trace are no longer kept" in err.message and err.detail["traced"] is True
+    assert len(w.runs) == 2
+
+
 def test_a_key_given_again_with_other_arguments_or_to_another_op_is_a_conflict():
     w = World()
 
