@@ -19,6 +19,9 @@ What is kept, and for how long:
   cost), so an exec a daemon before began is an error for the next one
   saying its outcome went with that daemon (it may have run, in part),
   never run again.
+- A request that failed on an error other than a DsecError (a bug) may
+  have done something: its key stays, marked failed (journaled), and
+  answers so.
 - At most KEYS_PER_SANDBOX keys of ended requests per sandbox, the oldest
   forgotten first, and none past KEY_TTL_S: a key forgotten is free again
   (a request with it runs anew). A key also goes with its sandbox.
@@ -211,12 +214,17 @@ class OpKeys:
                 self._save(sb)
             fut.set_result(None)
             return
-        if task.exception() is not None:
+        if (err := task.exception()) is not None:
             # An error is answered before anything ran (a bad request, a
             # start that failed, a snapshot that made no image): the key is
             # free again, for the request corrected or retried.
-            if isinstance(task.exception(), DsecError) and sb.op_keys.get(at[1]) is entry:
+            if isinstance(err, DsecError) and sb.op_keys.get(at[1]) is entry:
                 sb.op_keys.pop(at[1], None)
+                self._save(sb)
+            elif entry is not None:
+                # Another (a bug, answered `internal`) may come after the
+                # request did something: the key stays taken and says so.
+                entry["failed"] = type(err).__name__
                 self._save(sb)
             fut.set_result(None)
             return
@@ -253,6 +261,10 @@ class OpKeys:
                    "(limits.keyed_orphan_s)")
             raise Conflict(f"{what} was {why} (it may have run, in part); to run it again, send it under "
                            "another key", {**detail, "outcome": "cancelled"})
+        if entry.get("failed"):
+            raise Conflict(f"{what} failed with an internal error ({entry['failed']}: see the daemon log); it "
+                           "may have run, in part: look at what it would have done before sending it again "
+                           "under another key", {**detail, "outcome": "failed"})
         summary = entry.get("result") or self._summaries.get((sb.id, key))
         if summary is None:
             raise Conflict(f"{what} was begun by a daemon that stopped before it ended (a restart): whether "

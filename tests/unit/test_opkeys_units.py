@@ -276,6 +276,30 @@ def test_a_request_that_failed_frees_its_key():
     assert w.runs == [["refused"], ["refused"]] and w.sb.op_keys == {}
 
 
+def test_a_request_that_failed_on_a_bug_says_so_when_sent_again_not_that_a_daemon_stopped():
+    """An error other than a DsecError (a bug: the client got `internal`)
+    may come after the request did something: its key stays taken, and
+    answers that it failed here, on this daemon, journaled for the next,
+    never that the daemon before stopped under it."""
+    w = World()
+
+    async def go():
+        async def broken():
+            w.runs.append(["broken"])
+            raise RuntimeError("a bug")
+        req = protocol.Exec(sandbox="sb1", argv=["true"], stream=False, key="k")
+        with pytest.raises(RuntimeError):
+            await w.registry.op_keys.once(w.sb, "exec", req, _Ctx(), broken, exec_summary)
+        with pytest.raises(Conflict) as e:
+            await w.registry.op_keys.once(w.sb, "exec", req, _Ctx(), broken, exec_summary)
+        return e.value
+
+    err = asyncio.run(go())
+    assert err.detail["outcome"] == "failed" and "RuntimeError" in err.message, err.message
+    assert "stopped" not in err.message and w.runs == [["broken"]]
+    assert w.journal.records["sb1"]["op_keys"]["k"]["failed"] == "RuntimeError"
+
+
 def test_a_daemon_that_follows_answers_from_the_journal_or_says_the_outcome_went():
     """The journal carries each key from before its request ran: a
     proc_start's answer is made again from its summary; an exec the daemon
