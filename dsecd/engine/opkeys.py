@@ -230,6 +230,10 @@ class OpKeys:
             return
         answer = task.result()
         if entry is not None and self.registry.listed(sb):    # else destroyed meanwhile: nobody can ask again
+            # A cancel (or orphaning) that came as it ended, or that it got
+            # past (its answer made regardless), cancelled nothing: what it
+            # did is the key's answer.
+            cancelled = entry.pop("cancelled", None)
             if journal_end:
                 entry["result"] = summary(answer)
                 self._save(sb)
@@ -239,6 +243,8 @@ class OpKeys:
                 # entry is the sandbox's record written again: a write per
                 # exec is enough).
                 self._summaries[at] = summary(answer)
+                if cancelled:
+                    self._save(sb)
             self._keep(at, answer)
         fut.set_result(answer)
 

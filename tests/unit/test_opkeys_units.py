@@ -300,6 +300,32 @@ def test_a_request_that_failed_on_a_bug_says_so_when_sent_again_not_that_a_daemo
     assert w.journal.records["sb1"]["op_keys"]["k"]["failed"] == "RuntimeError"
 
 
+def test_a_cancel_that_came_as_the_request_ended_leaves_its_answer_standing():
+    """A cancel whose request had just ended (its answer made, not yet
+    taken) cancels nothing: the key must answer what it did, not that it
+    was cancelled, here and for the daemon after (its journal)."""
+    w = World()
+    req = protocol.ProcStart(sandbox="sb1", argv=["sleep"], key="p")
+
+    async def go():
+        request = asyncio.current_task()
+
+        async def started():
+            request.cancel()                # the cancel comes as the start ends
+            return {"pid": 7, "started": 5.0}
+
+        with pytest.raises(asyncio.CancelledError):
+            await w.registry.op_keys.once(w.sb, "proc_start", req, _Ctx("cancel"), started, dict, _as_it_was)
+
+    async def after():
+        again = World()
+        again.sb.op_keys = json.loads(json.dumps(w.journal.records["sb1"]))["op_keys"]
+        return await again.registry.op_keys.once(again.sb, "proc_start", req, _Ctx(), None, dict, _as_it_was)
+
+    asyncio.run(go())
+    assert asyncio.run(after()) == {"pid": 7, "started": 5.0, "existing": True}
+
+
 def test_a_daemon_that_follows_answers_from_the_journal_or_says_the_outcome_went():
     """The journal carries each key from before its request ran: a
     proc_start's answer is made again from its summary; an exec the daemon
