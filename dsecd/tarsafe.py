@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 KEPT_MODE = 0o1777          # permission bits and sticky; setuid/setgid are refused
 NS = 10**9
-MAX_NS = 2**63              # os.utime's ns and the guest's signed u64 hold less
+MAX_TIME_T = 2**63          # seconds: a file's time is less, either side of 1970
 
 
 class Refused(ValueError):
@@ -143,19 +143,28 @@ def mtime_ns(m: tarfile.TarInfo) -> int:
     decimal (GNU tar, bsdtar and the daemon's copies out write one with a
     fraction; tarfile reads it as a float, which at today's times is off by
     up to a few hundred nanoseconds), digits past the nanosecond dropped
-    (toward the past, as GNU tar takes them). A record that is no number,
-    or no time a nanosecond count holds (past 2262), is the header's as
-    tarfile read it."""
+    (toward the past, as GNU tar takes them). A record that is no number is
+    the header's as tarfile read it. A time no time_t holds (no file can
+    have it: tarfile reads a record of 1e300 as such a float) is Refused,
+    naming the entry; one past 2262 a time_t holds is kept, for os.utime,
+    which takes such a count of nanoseconds, and the file system to clamp."""
     record = m.pax_headers.get("mtime")
     if record is not None:
         try:
             value = decimal.Decimal(record)
             # Bounded before the conversion: "1e999999999" would make an int of a billion digits.
-            if value.is_finite() and abs(value) < MAX_NS // NS:
-                return int((value * NS).to_integral_value(decimal.ROUND_FLOOR))
+            if value.is_finite() and abs(value) < MAX_TIME_T:
+                with decimal.localcontext() as ctx:
+                    ctx.prec = 40           # a time_t's 19 digits and 9 of the fraction, whole
+                    return int((value * NS).to_integral_value(decimal.ROUND_FLOOR))
         except decimal.InvalidOperation:
             pass
-    return round(m.mtime * NS) if math.isfinite(m.mtime) else 0
+    if not math.isfinite(m.mtime):
+        return 0
+    if abs(m.mtime) >= MAX_TIME_T:
+        raise Refused(f"entry {m.name!r}: mtime {m.mtime:g} s is a time no file can have (a time_t holds "
+                      f"less than 2^63 s either side of 1970); give it a real one")
+    return round(m.mtime * NS)
 
 
 def set_mtime_ns(info: tarfile.TarInfo, ns: int) -> None:

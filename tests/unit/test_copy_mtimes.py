@@ -183,3 +183,31 @@ def test_a_microvm_copy_in_sends_the_nanoseconds_of_a_pax_archive(tmp_path):
         "": FRACTION, "d": FRACTION, "d/f": FRACTION, "d/link": FRACTION, "whole": WHOLE,
         "old": BEFORE_1970}, got
 
+
+
+def _tar_at(record: str) -> bytes:
+    """One file `f` whose pax mtime record is `record`."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        f = tarfile.TarInfo("f")
+        f.size, f.mode, f.pax_headers = 4, 0o644, {"mtime": record}
+        tf.addfile(f, io.BytesIO(b"data"))
+    return out.getvalue()
+
+
+def test_a_copy_in_of_an_mtime_no_file_can_have_is_refused_naming_it(tmp_path):
+    """tarfile reads a pax record of 1e300 as a float whose nanoseconds
+    overflow: it was an OverflowError (the client told `internal`), now
+    the entry is refused; a far time a time_t holds is still taken."""
+    with pytest.raises(tarsafe.Refused) as e:
+        tarsafe.mtime_ns(tarfile.open(fileobj=io.BytesIO(_tar_at("1e300"))).next())
+    assert "'f'" in e.value.args[0] and "mtime" in e.value.args[0]
+    (tmp_path / "root").mkdir()
+    fd = os.open(tmp_path / "root", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(tarcopy.PathError, match="mtime"):
+            tarcopy.put_tree(fd, "/copy", io.BytesIO(_tar_at("1e300")), 100, 1 << 20)
+    finally:
+        os.close(fd)
+    far = tarfile.open(fileobj=io.BytesIO(_tar_at("32503680000.5"))).next()       # the year 3000
+    assert tarsafe.mtime_ns(far) == 32503680000 * NS + NS // 2
