@@ -155,7 +155,13 @@ class OpKeys:
             return {**await self._answer_of(sb, op, req.key, entry, again), "existing": True}
         sb.op_keys[req.key] = {"op": op, "args": digest, "at": self.clock()}
         self._trim(sb)
-        self.registry.save(sb)
+        try:
+            self.registry.save(sb)
+        except BaseException:
+            # Not journaled (a full disk), so not run: the key is free again
+            # for the request sent once the journal takes it.
+            sb.op_keys.pop(req.key, None)
+            raise
         fut = asyncio.get_running_loop().create_future()
         self._running[at] = fut
         task = self._tasks[at] = asyncio.ensure_future(run())

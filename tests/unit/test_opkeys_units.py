@@ -326,6 +326,27 @@ def test_a_cancel_that_came_as_the_request_ended_leaves_its_answer_standing():
     assert asyncio.run(after()) == {"pid": 7, "started": 5.0, "existing": True}
 
 
+def test_a_key_whose_journal_write_failed_is_free_again(monkeypatch):
+    """A key is journaled before its request runs; when that write fails
+    (a full disk) the request is refused without running, and the key
+    must not stay behind saying a daemon stopped under it."""
+    w = World()
+    write = w.journal.write
+
+    def full(key, record):
+        raise OSError(28, "No space left on device")
+
+    async def go():
+        monkeypatch.setattr(w.journal, "write", full)
+        with pytest.raises(OSError):
+            await w.exec(["echo"], "k")
+        monkeypatch.setattr(w.journal, "write", write)
+        return await w.exec(["echo"], "k")         # the disk freed: sent again, it runs
+
+    answer = asyncio.run(go())
+    assert "existing" not in answer and w.runs == [["echo"]]
+
+
 def test_a_daemon_that_follows_answers_from_the_journal_or_says_the_outcome_went():
     """The journal carries each key from before its request ran: a
     proc_start's answer is made again from its summary; an exec the daemon
