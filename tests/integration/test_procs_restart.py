@@ -378,7 +378,7 @@ def test_execs_of_a_daemon_that_died_are_killed_at_the_restart(daemon_factory, b
 
     def foreground() -> None:
         try:
-            sb.exec(["sleep", "100"])
+            sb.exec(["sleep", "100"], key="sleep-100")
         except ConnectionError as err:      # the daemon dies under it
             lost.append(err)
         ended.set()
@@ -390,7 +390,8 @@ def test_execs_of_a_daemon_that_died_are_killed_at_the_restart(daemon_factory, b
     assert "sleep 100" in _running(sb)
     d.stop(signal.SIGKILL)
     d.start()
-    # Its client sent it again with its idempotency key once the next daemon
+    # Its client sent it again with its idempotency key (the caller's: the
+    # SDK makes none for an exec on a local socket) once the next daemon
     # answered, which knows the one before began it: never run twice, it
     # fails as lost.
     assert ended.wait(30)
