@@ -753,6 +753,15 @@ class Client:
                  reconnect_timeout: float | None = None, silence_timeout: float | str | None = None):
         target = target or default_socket()
         self.remote = remote.is_remote(target)
+        # Whether Sandbox.exec makes an idempotency key for a collected exec
+        # given none: over ssh://, where a link can drop with its daemon up
+        # and the exec sent again is answered with its one run. Not on a
+        # local socket, nor through a Ray actor (whose connection is a local
+        # socket on the daemon's node, dsecd/ray.py): a connection lost
+        # there is a daemon that went, whose successor could only say the
+        # exec's outcome is unknown, and each key costs the daemon a journal
+        # write.
+        self.key_execs = self.remote
         if self.remote:
             self._ssh_target = remote.SshTarget.parse(target)
             self.ssh = ssh or remote.SshOptions.from_env()
@@ -2568,7 +2577,7 @@ class Sandbox:
         journal write per exec."""
         if stdin is None and on_stdout is None and on_stderr is None and not pty:
             args = self._exec_args(argv, env, cwd, user, timeout, False, False, trace, pty, rows, cols, policy)
-            r = await self._keyed("exec", args, key, make_key=self.client.remote)
+            r = await self._keyed("exec", args, key, make_key=self.client.key_execs)
             return ExecResult.from_result(r)
         if key is not None:
             raise ValueError("key is for a collected exec: one with stdin, on_stdout, on_stderr or pty streams "
