@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
-from dsecd import protocol
+from dsecd import Client, protocol
 
 
 class CuttingRelay:
@@ -78,3 +78,20 @@ class CuttingRelay:
             for writer in (daemon_writer, client_writer):
                 writer.transport.abort()
             self._links.discard(asyncio.current_task())
+
+
+async def write_twice_through_a_cut(daemon_socket: str, relay_path: str, sandbox_id: str):
+    """Spawn `cat > /tmp/in` in the sandbox through a relay that cuts the
+    connection after the first proc_input, write the lines "once" and
+    "twice", close its stdin and wait for it: (its ProcStatus, the relay). Each
+    input carries its offset, so the one sent again after the cut goes in
+    once."""
+    async with CuttingRelay(daemon_socket, relay_path, "proc_input") as relay:
+        async with Client(relay.path) as c:
+            mine = await c.get(sandbox_id)
+            proc = await mine.spawn("cat > /tmp/in")
+            await proc.write(b"once\n")
+            await proc.write(b"twice\n")
+            await proc.close_stdin()
+            return await proc.wait(), relay
+

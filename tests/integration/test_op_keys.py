@@ -10,7 +10,7 @@ import contextlib
 import time
 
 import pytest
-from relay_kit import CuttingRelay
+from relay_kit import CuttingRelay, write_twice_through_a_cut
 
 from dsecd import Client
 from dsecd.errors import BadRequest, Conflict
@@ -118,15 +118,8 @@ def test_an_input_whose_connection_drops_after_it_was_sent_reaches_the_process_o
         async with Client(daemon.socket) as direct:
             sb = await _sandbox(direct)
             try:
-                async with CuttingRelay(daemon.socket, str(tmp_path / "r.sock"), "proc_input") as relay:
-                    async with Client(relay.path) as c:
-                        mine = await c.get(sb.id)
-                        proc = await mine.spawn("cat > /tmp/in")
-                        await proc.write(b"once\n")
-                        await proc.write(b"twice\n")
-                        await proc.close_stdin()
-                        ended = await proc.wait()
-                    assert relay.cut.is_set() and relay.seen.count("proc_input") == 4, relay.seen
+                ended, relay = await write_twice_through_a_cut(daemon.socket, str(tmp_path / "r.sock"), sb.id)
+                assert relay.cut.is_set() and relay.seen.count("proc_input") == 4, relay.seen
                 return ended, await sb.read_file("/tmp/in")
             finally:
                 await sb.destroy(force=True)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 from conftest import shared_vm
-from relay_kit import CuttingRelay
+from relay_kit import CuttingRelay, write_twice_through_a_cut
 
 from dsecd import Client
 from dsecd.errors import Conflict
@@ -114,15 +114,8 @@ def test_input_to_a_vm_process_whose_connection_drops_reaches_it_once(daemon, vm
         async with Client(daemon.socket) as direct:
             sb = await direct.get(vm.id)
             try:
-                async with CuttingRelay(daemon.socket, str(tmp_path / "r.sock"), "proc_input") as relay:
-                    async with Client(relay.path) as c:
-                        mine = await c.get(vm.id)
-                        proc = await mine.spawn("cat > /tmp/in")
-                        await proc.write(b"once\n")
-                        await proc.write(b"twice\n")
-                        await proc.close_stdin()
-                        ended = await proc.wait()
-                    assert relay.cut.is_set() and relay.seen.count("proc_input") == 4, relay.seen
+                ended, relay = await write_twice_through_a_cut(daemon.socket, str(tmp_path / "r.sock"), vm.id)
+                assert relay.cut.is_set() and relay.seen.count("proc_input") == 4, relay.seen
                 return ended, await sb.read_file("/tmp/in")
             finally:
                 await _kill_all(sb)
