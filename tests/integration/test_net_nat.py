@@ -6,6 +6,7 @@ traffic, route or rule ever touches the host's own interfaces or ruleset:
 the test checks the host's ruleset is the same before and after.
 """
 
+import contextlib
 import ipaddress
 import os
 import re
@@ -530,8 +531,7 @@ def test_daemons_sharing_a_netns_keep_their_own_tables(iworld, natd, daemon_fact
     sb = c.create(image="busybox", net="default", publish=[8080], allow=[f"{iworld.inet}:80/tcp"])
     _serve_http(sb, 8080)
     host = sb.get_host(8080)
-    cfg = dict(iworld.cfg, bridge="dsec1", ipv4_subnet="10.77.0.0/16", ipv4_pool="10.77.1.0/24", ipv6_subnet="")
-    other = daemon_factory(_toml_net(cfg).replace("[net]\n", '[net]\nuplink = "auto"\n'))
+    other = _second_daemon(iworld, daemon_factory)
     try:
         assert "sandbox-page" in iworld.in_bridge_netns(http_get, host)
         assert wget(sb, f"http://{iworld.inet}/")[0] == 0
@@ -558,17 +558,36 @@ def test_daemons_sharing_a_netns_keep_their_own_tables(iworld, natd, daemon_fact
     sb.destroy()
 
 
+def _second_daemon(iworld, daemon_factory):
+    """A second daemon in the bridge netns of `iworld`'s (natd's), with a
+    bridge (dsec1) and subnet (10.77.0.0/16, gateway 10.77.0.1) of its own."""
+    cfg = dict(iworld.cfg, bridge="dsec1", ipv4_subnet="10.77.0.0/16", ipv4_pool="10.77.1.0/24", ipv6_subnet="")
+    return daemon_factory(_toml_net(cfg).replace("[net]\n", '[net]\nuplink = "auto"\n'))
+
+
+@contextlib.contextmanager
+def _second_daemon_client(iworld, daemon_factory, busybox_rootfs):
+    """_second_daemon and a client of it with busybox imported, while the
+    block runs; then its sandboxes destroyed (its table goes at its stop
+    only with no sandbox left) and the daemon stopped."""
+    other = _second_daemon(iworld, daemon_factory)
+    oc = other.client()
+    try:
+        oc.import_image(busybox_rootfs, "busybox")
+        yield other, oc
+    finally:
+        oc.destroy_all(force=True)
+        oc.close()
+        other.stop(signal.SIGTERM)
+
+
 def test_two_daemons_publishing_at_once_never_share_a_host_port(iworld, natd, daemon_factory, busybox_rootfs):
     """Two daemons of one bridge netns (bridges of their own) publishing at
     the same moment: each picks a host port, checks it free and adds its
     DNAT, and without the host-wide claim (nat.PortClaims) both would take
     the ports neither had DNATed yet."""
     d, c = natd
-    cfg = dict(iworld.cfg, bridge="dsec1", ipv4_subnet="10.77.0.0/16", ipv4_pool="10.77.1.0/24", ipv6_subnet="")
-    other = daemon_factory(_toml_net(cfg).replace("[net]\n", '[net]\nuplink = "auto"\n'))
-    oc = other.client()
-    try:
-        oc.import_image(busybox_rootfs, "busybox")
+    with _second_daemon_client(iworld, daemon_factory, busybox_rootfs) as (other, oc):
         sandboxes = [c.create(image="busybox", net="default"), oc.create(image="busybox", net="default")]
         got: list[list[int]] = [[], []]
         errors: list[BaseException] = []
@@ -590,10 +609,6 @@ def test_two_daemons_publishing_at_once_never_share_a_host_port(iworld, natd, da
         assert errors == []
         assert len(set(got[0])) == len(set(got[1])) == 20
         assert set(got[0]) & set(got[1]) == set()
-    finally:
-        oc.destroy_all(force=True)      # its table goes at its stop only with no sandbox left
-        oc.close()
-        other.stop(signal.SIGTERM)
 
 
 def test_two_daemons_publish_one_host_port_on_two_addresses_not_on_every_one(iworld, natd, daemon_factory,
@@ -604,11 +619,7 @@ def test_two_daemons_publish_one_host_port_on_two_addresses_not_on_every_one(iwo
     on each, so it and one on a single address refuse each other, naming
     the daemon that holds the port."""
     d, c = natd
-    cfg = dict(iworld.cfg, bridge="dsec1", ipv4_subnet="10.77.0.0/16", ipv4_pool="10.77.1.0/24", ipv6_subnet="")
-    other = daemon_factory(_toml_net(cfg).replace("[net]\n", '[net]\nuplink = "auto"\n'))
-    oc = other.client()
-    try:
-        oc.import_image(busybox_rootfs, "busybox")
+    with _second_daemon_client(iworld, daemon_factory, busybox_rootfs) as (other, oc):
         mine, theirs = c.create(image="busybox", net="default"), oc.create(image="busybox", net="default")
         for sb, page in ((mine, "page-of-the-first"), (theirs, "page-of-the-second")):
             sb.exec(["sh", "-c", f"mkdir -p /tmp/www && echo {page} > /tmp/www/index.html"])
@@ -637,10 +648,6 @@ def test_two_daemons_publish_one_host_port_on_two_addresses_not_on_every_one(iwo
         theirs.unpublish(8080)
         assert theirs.publish(8080, host_port=hp, bind=first_addr)["host_port"] == hp
         assert "page-of-the-second" in iworld.in_bridge_netns(http_get, f"{first_addr}:{hp}")
-    finally:
-        oc.destroy_all(force=True)      # its table goes at its stop only with no sandbox left
-        oc.close()
-        other.stop(signal.SIGTERM)
 
 
 def _tracked_from(ns: str, addr: str) -> list:
