@@ -105,13 +105,15 @@ FOLLOWS_ONLY = ("proc_logs", "events", "file_watch", "file_tar_get")
 # So Client.hold's renew in flight at a daemon restart renews on the next
 # daemon instead of failing.
 IDEMPOTENT = ("pause", "resume", "renew")
-# Requests the daemon takes an idempotency key for (a collected exec only,
-# stream=false): one lost after it was sent goes again, once, with its key,
-# and the daemon answers it with what the first one did (a create's
-# sandbox, an exec's result, the process started, the image made) instead
-# of doing it twice. The SDK gives each one a key of its own (_made_key)
-# where the daemon takes them: a create always, the others where its hello
-# lists "op.keys".
+# Requests the daemon takes an idempotency key for (an exec without stdin
+# or pty): one lost after it was sent goes again, once, with its key, and
+# the daemon answers it with what the first one did (a create's sandbox, an
+# exec's result, the process started, the image made) instead of doing it
+# twice; a streamed exec goes again after each loss output came before,
+# taking its output up where it stopped (frames_with_id). The SDK gives
+# each one a key of its own (_made_key) where the daemon takes them: a
+# create always, the others where its hello lists "op.keys" (a streamed
+# exec: "op.keys.stream"), an exec over ssh:// only (Client.key_execs).
 KEYED = ("create", "exec", "proc_start", "snapshot")
 # Of those, ones whose frames before the result are progress only: seen
 # again from the request sent again, they tell nothing false.
@@ -447,6 +449,15 @@ def named_as(err: DsecError, tmp: str, path: str, removed: bool = False,
     return named
 
 
+def _count_output(got: list[int], frame: dict) -> None:
+    """Add a streamed exec's output frame to `got`, the bytes of [stdout,
+    stderr] that came (a `lost` count included: the daemon takes the
+    stream up after it)."""
+    fd = frame.get("fd")
+    if fd in (1, 2):
+        got[fd - 1] += len(frame["data"]) if frame.get("data") is not None else frame.get("lost", 0)
+
+
 def _given(args: dict, /, **optional) -> dict:
     """`args` plus those optional arguments that were given (not None): the daemon applies its defaults."""
     args.update((k, v) for k, v in optional.items() if v is not None)
@@ -508,6 +519,9 @@ class ExecResult:
     denials: int | None = None       # its policy denials, when counted (dsec info: policy.denials)
     killed_by: str | None = None     # SIGKILLed, not at its timeout: "oom" (memory limit), "destroy", None: unknown
     destroyed_by: str | None = None  # with killed_by "destroy", why: "ttl", "idle_ttl", "lease", "request", ...
+    # A streamed exec taken up again after a lost connection: bytes of its
+    # output the daemon no longer had for it (not in stdout, stderr, or given to a callback).
+    lost_output: int = 0
 
     @property
     def ok(self) -> bool:
@@ -1277,10 +1291,14 @@ class Client:
         # before the loss, if any, is the answer; likewise an exec's result,
         # a process started, a snapshot made: KEYED), or a pause or resume
         # (IDEMPOTENT). Once: lost again, the daemon may be failing on it.
+        # A keyed streamed exec goes again after each loss that output came
+        # before, from the bytes of it that came (`stream_from`): the daemon
+        # sends the rest, and answers `lost` for what it no longer has.
         key = args.get("key") if op in KEYED else None
         # A proc_input at an offset: the daemon skips what of it it wrote before.
         again_safe = (op in CHANGES_NOTHING or op in IDEMPOTENT or bool(key)
                       or (op == "proc_input" and args.get("offset") is not None))
+        got = [0, 0] if op == "exec" and key and args.get("stream") else None
         deadline = None
         resent = False
         while True:
@@ -1294,13 +1312,19 @@ class Client:
                             contextlib.aclosing(self._frames_with_id(conn, rid, op, args, sent)) as frames):
                     async for frame in frames:
                         came = True
+                        if got is not None:
+                            _count_output(got, frame)
                         yield frame
                 return
             except _Unsent as err:
                 if not self.reconnect or self._closed:
                     raise self._lost_error(err.cause, op, sent=False) from None
             except ConnectionLost:
-                if ((came and op not in PROGRESS_FRAMES) or resent or not again_safe or not self.reconnect
+                if got is not None and came and self.reconnect and not self._closed:
+                    # Output came since it was sent: the daemon was serving it.
+                    args = {**args, "stream_from": list(got)}
+                    deadline = None
+                elif ((came and op not in PROGRESS_FRAMES) or resent or not again_safe or not self.reconnect
                         or self._closed):
                     raise
                 resent = True
@@ -2218,12 +2242,17 @@ class ExecStream:
         if self.stdin is not None:
             feeder = asyncio.get_running_loop().create_task(self._feed(rid, sent))
         failure: BaseException | None = None
+        lost = 0
         try:
             async with contextlib.aclosing(c.frames_with_id(rid, "exec", self.args, sent)) as frames:
                 async for frame in frames:
                     if "__result__" in frame:
                         self.result = ExecResult.from_result(frame["__result__"])
+                        self.result.lost_output = lost
                         return
+                    if frame.get("lost"):           # taken up again after a loss, past what the daemon kept
+                        lost += frame["lost"]
+                        continue
                     yield frame["fd"], frame["data"]
         except BaseException as err:
             failure = err
@@ -2565,38 +2594,50 @@ class Sandbox:
         default: the sandbox's). user: a uid, or as `docker exec --user` a
         name, "name:group" or "uid:gid" from the sandbox's /etc/passwd and
         /etc/group (default: the sandbox's user).
-        key: idempotency key of a collected exec (no stdin, on_stdout,
-        on_stderr or pty); without one the SDK makes one over an ssh://
-        link (where the daemon takes them), so an exec whose answer a lost
-        connection took is sent again once and answered with its one run's
-        result, instead of running twice or not at all. Given again with the
-        same arguments, it is answered with that run's result. On a local
-        socket none is made: a connection lost there is a daemon that
-        stopped, whose successor could only say the exec's outcome is
-        unknown (as ConnectionLost does), and a key costs the daemon a
-        journal write per exec."""
+        key: idempotency key of an exec without stdin or pty; without one
+        the SDK makes one over an ssh:// link (where the daemon takes them),
+        so an exec whose connection was lost is sent again on the next and
+        answered with its one run's result (with on_stdout or on_stderr, its
+        output taken up where it stopped: see exec_stream), instead of
+        running twice or not at all. Given again with the same arguments,
+        it is answered with that run's result. On a local socket none is
+        made: a connection lost there is a daemon that stopped, whose
+        successor could only say the exec's outcome is unknown (as
+        ConnectionLost does), and a key costs the daemon a journal write
+        per exec."""
         if stdin is None and on_stdout is None and on_stderr is None and not pty:
             args = self._exec_args(argv, env, cwd, user, timeout, False, False, trace, pty, rows, cols, policy)
             r = await self._keyed("exec", args, key, make_key=self.client.key_execs)
             return ExecResult.from_result(r)
-        if key is not None:
-            raise ValueError("key is for a collected exec: one with stdin, on_stdout, on_stderr or pty streams "
-                             "its output, which would come twice if it were sent again")
         stream = self.exec_stream(argv, timeout=timeout, env=env, cwd=cwd, user=user, stdin=stdin, trace=trace,
-                                  pty=pty, rows=rows, cols=cols, policy=policy)
+                                  pty=pty, rows=rows, cols=cols, policy=policy, key=key)
         return await _collect(stream, on_stdout, on_stderr)
 
     def exec_stream(self, argv: Command, timeout: float | str | None = None, env: dict | None = None,
                     cwd: str | None = None, user: int | str | None = None,
                     stdin: Stdin | None = None, trace: bool = False, pty: bool = False,
                     rows: int | None = None, cols: int | None = None,
-                    policy: str | dict | None = None) -> ExecStream:
+                    policy: str | dict | None = None, key: str | None = None) -> ExecStream:
         """The exec as an ExecStream of (fd, data). With pty, it runs on a
         terminal of rows x cols (default 24 x 80), its output one stream (fd
         1); send keystrokes with `write`, the window size with `resize`. An
-        end of `stdin` does not end a terminal's input: send b"\\x04" (^D)."""
+        end of `stdin` does not end a terminal's input: send b"\\x04" (^D).
+        key: idempotency key of one without stdin or pty; over an ssh://
+        link the SDK makes one where the daemon takes them (its hello lists
+        "op.keys.stream"). A lost connection then sends it again, after each
+        loss that output came before: the command runs once, and its output
+        goes on from the bytes that came (those the daemon no longer had, in
+        result.lost_output)."""
+        if key is not None and (stdin is not None or pty):
+            raise ValueError("key is for an exec without stdin or pty: sent again, its input would go twice, "
+                             "or part of it be lost")
         args = self._exec_args(argv, env, cwd, user, timeout, stdin is not None, True, trace, pty, rows, cols,
                                policy)
+        if (key is None and stdin is None and not pty and self.client.key_execs
+                and "op.keys.stream" in self.client.server.get("capabilities", ())):
+            key = _made_key()
+        if key is not None:
+            args["key"] = key
         return ExecStream(self, args, stdin)
 
     async def spawn(self, argv: Command, env: dict | None = None, cwd: str | None = None,

@@ -341,10 +341,11 @@ class Node:
         # image.list.stream: image_list takes `stream`; files.attrs:
         # file_set_attrs is served and file_tar_put takes `dirs` (an older
         # daemon refuses a field or request it does not know); op.keys:
-        # exec, proc_start and snapshot take `key` (dsecd/engine/opkeys.py).
+        # exec, proc_start and snapshot take `key` (dsecd/engine/opkeys.py);
+        # op.keys.stream: a streamed exec takes `key` too, and `stream_from`.
         caps = ["exec.stream", "exec.stdin", "files", "files.watch", "files.tar", "files.temporary",
                 "backend.container", "image.dir", "backend.fncall", "proc", "frame.tail", "policy",
-                "image.list.stream", "files.attrs", "op.keys"]
+                "image.list.stream", "files.attrs", "op.keys", "op.keys.stream"]
         if self.vms.backend is not None:
             caps.append("backend.microvm")
         return caps

@@ -409,7 +409,9 @@ class Exec:
     rows: int | None = None  # with pty: the initial window size (default 24 x 80)
     cols: int | None = None
     policy: str | dict[str, typing.Any] | None = None   # task policy (name or inline); None = the sandbox's
-    key: str | None = None   # idempotency key (stream=false): sent again, answered with the first run's result
+    key: str | None = None   # idempotency key (no stdin or pty): sent again, answered with the first run's result
+    # With key and stream, sent again: the bytes of [stdout, stderr] its client got; the rest follows.
+    stream_from: list[int] | None = None
 
 
 @request("exec_input")

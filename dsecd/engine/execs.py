@@ -41,6 +41,7 @@ from ..initlink import InitExec
 from ..mem import pause
 from ..protocol import FileRead
 from .denials import DenialService, ExecRef
+from .keyedstream import KeyedStream, check_stream_from
 from .microvms import MicroVMService
 from .opkeys import output_bytes
 from .policies import Applied, PolicyService
@@ -318,12 +319,21 @@ class ExecService:
 
     async def exec(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
-        if req.key is not None and (req.stream or req.stdin):
-            raise BadRequest("exec: a key is for an exec whose output comes whole in its result (stream=false, "
-                             "no stdin): sent again, a streamed one's output would come twice; drop the key, "
-                             "or stream=false", {"key": req.key})
-        return await self.registry.op_keys.once(sb, "exec", req, ctx, lambda: self._exec(sb, req, ctx),
-                                                exec_summary)
+        stream = None
+        if req.key is not None:
+            if req.stdin or req.pty:
+                raise BadRequest("exec: a key is for an exec without stdin or a terminal: sent again, its "
+                                 "input would be sent twice, or part of it lost; drop the key",
+                                 {"key": req.key})
+            check_stream_from(req.stream_from)
+            if req.stream:
+                # Its output, kept for the request sent again to take up (keyedstream.py).
+                stream = KeyedStream(ctx)
+        elif req.stream_from is not None:
+            raise BadRequest("exec: stream_from is for a keyed streamed exec sent again; give its key",
+                             {"stream_from": req.stream_from})
+        return await self.registry.op_keys.once(sb, "exec", req, ctx, lambda: self._exec(sb, req, stream or ctx),
+                                                exec_summary, stream=stream)
 
     async def _exec(self, sb: Sandbox, req, ctx) -> dict:
         check_pty(req)

@@ -52,6 +52,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import MISSING, fields
 
 from ..errors import BadRequest, Conflict, DsecError
+from .keyedstream import KeyedStream
 
 KEYS_PER_SANDBOX = 32
 KEY_TTL_S = 3600.0
@@ -65,6 +66,12 @@ ORPHAN_S = 60.0
 def check_key(op: str, key: str | None) -> None:
     if key is not None and not 1 <= len(key) <= KEY_MAX_CHARS:
         raise BadRequest(f"{op}: key must be 1 to {KEY_MAX_CHARS} characters", {"key": key})
+
+
+# Fields a key's digest leaves out: the key itself, and where a streamed
+# exec sent again takes its output up (keyedstream.py), which differs each
+# time it is sent.
+UNDIGESTED = ("key", "stream_from")
 
 
 def args_digest(req) -> str:
@@ -86,10 +93,10 @@ def args_digest(req) -> str:
 @functools.cache
 def _digested_fields(cls) -> tuple[tuple[str, object], ...]:
     """(name, default) of the fields of request type `cls` a key's digest
-    covers (all but `key`); MISSING as the default of a required field."""
+    covers (all but UNDIGESTED); MISSING as the default of a required field."""
     return tuple((f.name, f.default if f.default is not MISSING
                   else f.default_factory() if f.default_factory is not MISSING else MISSING)
-                 for f in fields(cls) if f.name != "key")
+                 for f in fields(cls) if f.name not in UNDIGESTED)
 
 
 def output_bytes(result: dict) -> int:
@@ -120,6 +127,9 @@ class OpKeys:
         # kept_bytes (counted once), oldest first.
         self._answers: collections.OrderedDict[tuple[str, str], tuple[dict, int]] = collections.OrderedDict()
         self._answer_bytes = 0
+        # (sandbox id, key) -> a streamed exec's output (its tail), for the
+        # request sent again, while it runs and with its kept answer.
+        self._streams: dict[tuple[str, str], KeyedStream] = {}
         # (sandbox id, key) -> the summary of an ended exec, not journaled.
         self._summaries: dict[tuple[str, str], dict] = {}
         # (sandbox id, key) -> the task of the request under way: a lost
@@ -132,27 +142,43 @@ class OpKeys:
 
     async def once(self, sb, op: str, req, ctx, run: Callable[[], Awaitable[dict]],
                    summary: Callable[[dict], dict],
-                   again: Callable[[dict], Awaitable[dict]] | None = None) -> dict:
+                   again: Callable[[dict], Awaitable[dict]] | None = None,
+                   stream: KeyedStream | None = None) -> dict:
         """The answer of `req` (op `op`, whose `key` may be None) in `sb`:
         run() once per key. `summary(answer)`: what of it is kept once it
         ended; `again(summary)`: the answer made again from that summary,
         journaled at once (None: the answer is kept in memory only, and its
-        summary goes to the journal with the sandbox's next record)."""
+        summary goes to the journal with the sandbox's next record).
+        `stream`: a streamed exec's output, which run() emits to: a request
+        sent again is sent it from its `stream_from` (keyedstream.py)."""
         if req.key is None:
             return await run()
         check_key(op, req.key)
         digest = args_digest(req)
         at = (sb.id, req.key)
+        got = getattr(req, "stream_from", None)
         self._expire(sb)
         while (fut := self._running.get(at)) is not None:
             self._same(req, op, sb.op_keys.get(req.key), digest)
-            answer = await self._waited(sb, at, ctx, fut)
+            answer = await self._waited(sb, at, ctx, fut, resent_from=got or [0, 0])
             if answer is not None:
                 return {**answer, "existing": True}
         entry = sb.op_keys.get(req.key)
         if entry is not None:
             self._same(req, op, entry, digest)
-            return {**await self._answer_of(sb, op, req.key, entry, again), "existing": True}
+            answer = await self._answer_of(sb, op, req.key, entry, again, got)
+            if (kept := self._streams.get(at)) is not None:
+                await kept.attach(ctx, got)
+            return {**answer, "existing": True}
+        if got and any(got):
+            # Its client got output of a run under this key that this daemon
+            # does not know (a daemon before began it, or the key was forgotten):
+            # run again, its output would come twice.
+            raise Conflict(f"{op} with key {req.key!r} in sandbox {sb.id}: its client got output of a run "
+                           "this daemon does not know (begun by a daemon that stopped, or its key was "
+                           "forgotten): whether it ended, and how, is unknown; look at what it would have done "
+                           "before sending it again under another key",
+                           {"key": req.key, "sandbox": sb.id, "op": op, "outcome": "unknown"})
         sb.op_keys[req.key] = {"op": op, "args": digest, "at": self.clock()}
         self._trim(sb)
         try:
@@ -164,25 +190,36 @@ class OpKeys:
             raise
         fut = asyncio.get_running_loop().create_future()
         self._running[at] = fut
+        if stream is not None:
+            self._streams[at] = stream
         task = self._tasks[at] = asyncio.ensure_future(run())
         task.add_done_callback(lambda t: self._ended(sb, at, t, fut, summary, again is not None))
         return await self._waited(sb, at, ctx, task)
 
-    async def _waited(self, sb, at: tuple[str, str], ctx, under_way: asyncio.Future) -> dict | None:
-        """`under_way`'s outcome, for a request of its key. The request
-        cancelled: a lost connection leaves it to run, its answer waiting
-        for the request sent again (for `orphan_s` once no request of its
-        key waits: a client that went for good leaves nothing running, as
-        with an exec of no key); a cancel or the daemon's stop ends it.
+    async def _waited(self, sb, at: tuple[str, str], ctx, under_way: asyncio.Future,
+                      resent_from: list[int] | None = None) -> dict | None:
+        """`under_way`'s outcome, for a request of its key (`resent_from`:
+        one sent again, a streamed exec's taking its output up from there).
+        The request cancelled: a lost connection leaves it to run, its answer
+        waiting for the request sent again (for `orphan_s` once no request of
+        its key waits: a client that went for good leaves nothing running,
+        as with an exec of no key); a cancel or the daemon's stop ends it.
         Cancelled, its key says so; ended by a stop, the key stays as
         journaled: begun, its end unknown to the next daemon."""
+        stream = self._streams.get(at)
+        if stream is not None and resent_from is not None:
+            stream.check(resent_from)
         self._waiting[at] = self._waiting.get(at, 0) + 1
         if (timer := self._orphans.pop(at, None)) is not None:
             timer.cancel()
         try:
+            if stream is not None and resent_from is not None:
+                await stream.attach(ctx, resent_from)
             return await asyncio.shield(under_way)
         except asyncio.CancelledError:
             why = ctx.why_cancelled()
+            if why == "gone" and stream is not None:
+                stream.detach(ctx)
             if why != "gone" and (task := self._tasks.get(at)) is not None:
                 if why == "cancel" and (entry := sb.op_keys.get(at[1])) is not None:
                     entry["cancelled"] = "cancel"
@@ -215,6 +252,7 @@ class OpKeys:
         if (timer := self._orphans.pop(at, None)) is not None:
             timer.cancel()
         entry = sb.op_keys.get(at[1])
+        stream = self._streams.pop(at, None)
         if task.cancelled():
             if entry is not None and entry.get("cancelled"):
                 self._save(sb)
@@ -249,9 +287,11 @@ class OpKeys:
                 # entry is the sandbox's record written again: a write per
                 # exec is enough).
                 self._summaries[at] = summary(answer)
+                if stream is not None:
+                    self._summaries[at]["bytes"] = sum(stream.ends())
                 if cancelled:
                     self._save(sb)
-            self._keep(at, answer)
+            self._keep(at, answer, stream)
         fut.set_result(answer)
 
     def _save(self, sb) -> None:
@@ -259,9 +299,10 @@ class OpKeys:
         if self.registry.listed(sb) and sb.state in ("running", "paused", "dead"):
             self.registry.save(sb)
 
-    async def _answer_of(self, sb, op: str, key: str, entry: dict, again) -> dict:
+    async def _answer_of(self, sb, op: str, key: str, entry: dict, again,
+                         got: list[int] | None = None) -> dict:
         """The answer of an ended keyed request, or the error saying why
-        there is none."""
+        there is none (`got`: the output a streamed exec's client has)."""
         kept = self._answers.get((sb.id, key))
         if kept is not None:
             return kept[0]
@@ -284,7 +325,7 @@ class OpKeys:
                            "done before sending it again under another key", {**detail, "outcome": "unknown"})
         if again is not None:
             return await again(summary)
-        lost = summary.get("bytes", 0)
+        lost = max(0, summary.get("bytes", 0) - sum(got or ()))
         trace = " and its trace are" if summary.get("traced") else " is"
         raise Conflict(f"{what} ended ({_status(summary)}), but its output of {lost} bytes{trace} no longer "
                        f"kept (the daemon keeps the last {KEPT_OUTPUT_BYTES >> 20} MiB of keyed execs' "
@@ -300,8 +341,10 @@ class OpKeys:
                            f"{req.sandbox}; a key stands for one request: give the same arguments to get its "
                            "answer, or another key", {"key": req.key, "sandbox": req.sandbox})
 
-    def _keep(self, at: tuple[str, str], answer: dict) -> None:
-        size = kept_bytes(answer)
+    def _keep(self, at: tuple[str, str], answer: dict, stream: KeyedStream | None) -> None:
+        size = kept_bytes(answer) + (stream.kept_bytes if stream is not None else 0)
+        if stream is not None:
+            self._streams[at] = stream
         self._answers[at] = (answer, size)
         self._answer_bytes += size
         while self._answer_bytes > KEPT_OUTPUT_BYTES and self._answers:
@@ -311,6 +354,7 @@ class OpKeys:
         kept = self._answers.pop(at, None)
         if kept is not None:
             self._answer_bytes -= kept[1]
+        self._streams.pop(at, None)
 
     def _expire(self, sb) -> None:
         """Forget the sandbox's keys of ended requests older than KEY_TTL_S."""

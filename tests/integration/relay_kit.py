@@ -6,6 +6,7 @@ offsets) on either backend."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable
 
 from dsecd import Client, protocol
@@ -95,3 +96,42 @@ async def write_twice_through_a_cut(daemon_socket: str, relay_path: str, sandbox
             await proc.close_stdin()
             return await proc.wait(), relay
 
+
+
+# A streamed exec's output: the numbers 1 to STREAM_LINES, a line each
+# (~590 KB, more than the sockets between the daemon and the client hold),
+# then "err" on stderr and exit 4.
+STREAM_LINES = 100_000
+STREAM_CUT_AT = 100_000     # bytes of it the client has when the link is cut
+
+
+async def stream_through_a_cut(daemon_socket: str, relay_path: str, sandbox_id: str):
+    """Run a keyed streamed exec (`seq`, STREAM_LINES) in the sandbox through
+    a relay that cuts the connection once the client has STREAM_CUT_AT bytes
+    of its output, with what was in flight lost with the link: (its
+    ExecResult, the stdout its callback got, the relay). The exec goes
+    again with the bytes that came; the daemon sends the rest."""
+    got = bytearray()
+    enough = asyncio.Event()
+
+    def on_stdout(data: bytes) -> None:
+        got.extend(data)
+        if len(got) >= STREAM_CUT_AT:
+            enough.set()
+
+    async with CuttingRelay(daemon_socket, relay_path, "exec", cut_after=enough.wait()) as relay:
+        async with Client(relay.path) as c:
+            mine = await c.get(sandbox_id)
+            r = await mine.exec(f"echo ran >> /tmp/ran; seq 1 {STREAM_LINES}; echo err >&2; exit 4",
+                                on_stdout=on_stdout, key=f"streamed-once-{time.monotonic_ns()}")
+            return r, bytes(got), relay
+
+
+def assert_streamed_once_and_whole(r, got: bytes, relay, ran: bytes) -> None:
+    """What stream_through_a_cut gave: the command ran once, and its output
+    came whole, each byte once, to the result and the callback alike."""
+    whole = "".join(f"{n}\n" for n in range(1, STREAM_LINES + 1)).encode()
+    assert relay.cut.is_set() and relay.seen.count("exec") == 2, relay.seen
+    assert ran == b"ran\n", ran
+    assert (r.exit_code, r.stderr, r.lost_output) == (4, b"err\n", 0), r
+    assert r.stdout == whole and got == whole, (len(r.stdout), len(got), len(whole))

@@ -136,28 +136,42 @@ def test_rpc_stdio_over_ssh_answers_what_was_sent_before_stdin_closed(fleet_env)
 
 
 def test_a_dropped_connection_fails_in_flight_requests_and_the_next_one_reconnects(fleet_env):
-    """A streamed exec (no idempotency key) fails with the link, and the
-    host kills it; a collected one, keyed by the SDK, runs on and is sent
-    again once the link is back, answered with its one run's result."""
+    """An exec with stdin (no idempotency key: its input cannot go twice)
+    fails with the link, and the host kills it; a collected one and a
+    streamed one, keyed by the SDK, run on and are sent again once the link
+    is back, answered with their one run's result (the streamed one's
+    output going on from what came)."""
     host = fleet_env.hosts[0]
 
     async def go():
         async with dsecd.Client("ssh://h1", ssh=fleet_env.ssh) as c:
             sb = await c.create(image="busybox", key="kept-1", **SMALL)
-            streamed = asyncio.ensure_future(sb.exec(["sleep", "60"], on_stdout=lambda data: None))
+            never = asyncio.Event()
+
+            async def endless_input():
+                yield b"x"
+                await never.wait()
+
+            fed = asyncio.ensure_future(sb.exec(["cat"], stdin=endless_input()))
             keyed = asyncio.ensure_future(sb.exec("sleep 2; echo ran >> /tmp/ran; echo done"))
+            out = bytearray()
+            streamed = asyncio.ensure_future(sb.exec("echo a; sleep 2; echo ran >> /tmp/sran; echo b",
+                                                     on_stdout=out.extend))
             await asyncio.sleep(0.5)
             # The network path dies: sshd and its sessions are killed (the daemon lives).
             await asyncio.to_thread(kill_tree, host.sshd)
             with pytest.raises(ConnectionLost) as e:
-                await asyncio.wait_for(streamed, 10)
+                await asyncio.wait_for(fed, 10)
             assert e.value.sent and e.value.op == "exec" and "connects again" in str(e.value)
             await asyncio.to_thread(host.start_sshd)
             assert (await asyncio.wait_for(keyed, 30)).stdout == b"done\n"
             assert await sb.read_file("/tmp/ran") == b"ran\n"
+            r = await asyncio.wait_for(streamed, 30)
+            assert (r.stdout, bytes(out), r.lost_output) == (b"a\nb\n", b"a\nb\n", 0), r
+            assert await sb.read_file("/tmp/sran") == b"ran\n"
             again = await c.create(image="busybox", key="kept-1", **SMALL)      # retried safely
             assert again.id == sb.id and again.info.get("existing") is True
-            for _ in range(100):        # the daemon saw its client go: the streamed exec is killed
+            for _ in range(100):        # the daemon saw its client go: the exec with stdin is killed
                 if (await sb.inspect())["execs_running"] == 0:
                     break
                 await asyncio.sleep(0.1)

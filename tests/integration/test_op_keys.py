@@ -10,7 +10,12 @@ import contextlib
 import time
 
 import pytest
-from relay_kit import CuttingRelay, write_twice_through_a_cut
+from relay_kit import (
+    CuttingRelay,
+    assert_streamed_once_and_whole,
+    stream_through_a_cut,
+    write_twice_through_a_cut,
+)
 
 from dsecd import Client
 from dsecd.errors import BadRequest, Conflict
@@ -105,10 +110,28 @@ def test_a_key_given_again_with_other_arguments_is_a_conflict_naming_it(client, 
 
 
 def test_a_key_is_refused_where_a_request_cannot_be_sent_again(client, sandbox):
-    """A streamed exec's output would come twice: a key is for collected execs."""
+    """An exec's input would go twice, or in part: a key is for execs without stdin."""
     with pytest.raises(BadRequest) as e:
-        client.request("exec", sandbox=sandbox.id, argv=["true"], stream=True, key="k")
-    assert "stream" in e.value.message, e.value.message
+        client.request("exec", sandbox=sandbox.id, argv=["cat"], stdin=True, key="k")
+    assert "stdin" in e.value.message, e.value.message
+    with pytest.raises(BadRequest) as e:
+        client.request("exec", sandbox=sandbox.id, argv=["true"], stream_from=[0, 0])
+    assert "give its key" in e.value.message, e.value.message
+
+
+def test_a_streamed_exec_whose_connection_drops_mid_output_runs_once_and_goes_on(daemon, tmp_path):
+    """Sent again with the bytes its client got, the exec is sent the rest:
+    what was in flight when the link went, then what came after."""
+    async def go():
+        async with Client(daemon.socket) as direct:
+            sb = await _sandbox(direct)
+            try:
+                r, got, relay = await stream_through_a_cut(daemon.socket, str(tmp_path / "r.sock"), sb.id)
+                return r, got, relay, await sb.read_file("/tmp/ran")
+            finally:
+                await sb.destroy(force=True)
+
+    assert_streamed_once_and_whole(*asyncio.run(go()))
 
 
 def test_an_input_whose_connection_drops_after_it_was_sent_reaches_the_process_once(daemon, tmp_path):

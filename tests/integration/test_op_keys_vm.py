@@ -17,7 +17,12 @@ import time
 
 import pytest
 from conftest import shared_vm
-from relay_kit import CuttingRelay, write_twice_through_a_cut
+from relay_kit import (
+    CuttingRelay,
+    assert_streamed_once_and_whole,
+    stream_through_a_cut,
+    write_twice_through_a_cut,
+)
 
 from dsecd import Client
 from dsecd.errors import Conflict
@@ -55,6 +60,17 @@ def test_a_keyed_exec_in_a_vm_whose_connection_drops_runs_once_and_answers(daemo
     r, lines = asyncio.run(go())
     assert lines == "ran\n", lines
     assert (r.exit_code, r.stdout, r.stderr) == (3, b"out\n", b"err\n"), r
+
+
+def test_a_streamed_exec_in_a_vm_whose_connection_drops_mid_output_runs_once_and_goes_on(daemon, vm, tmp_path):
+    async def go():
+        async with Client(daemon.socket) as direct:
+            sb = await direct.get(vm.id)
+            await sb.exec(["rm", "-f", "/tmp/ran"])
+            r, got, relay = await stream_through_a_cut(daemon.socket, str(tmp_path / "r.sock"), vm.id)
+            return r, got, relay, await sb.read_file("/tmp/ran")
+
+    assert_streamed_once_and_whole(*asyncio.run(go()))
 
 
 def test_a_background_process_in_a_vm_whose_start_drops_starts_once(daemon, vm, tmp_path):

@@ -904,3 +904,73 @@ def test_a_quiet_request_whose_pings_are_answered_is_left_to_run(tmp_path):
                 return await asyncio.wait_for(c.request("proc_kill", sandbox="s", pid=2), 10)
 
     assert asyncio.run(go()) == {"done": True} and len(pings) == 6
+
+
+def _streaming_stand_in(got: list, sessions: list[list[dict]]):
+    """A stand-in daemon (hello lists op.keys.stream) that answers the n-th
+    exec it gets with the frames of sessions[n] (stream payloads, or
+    {"result": ...}), then drops the connection unless one was a result."""
+    hello = {"limits": {}, "capabilities": ["op.keys", "op.keys.stream"]}
+
+    async def handle(reader, writer):
+        dec = protocol.FrameDecoder(1 << 20)
+        while data := await reader.read(65536):
+            for f in dec.feed(data):
+                if f["op"] == "hello":
+                    writer.write(protocol.encode_frame({"id": f["id"], "result": hello}))
+                    continue
+                if f["op"] != "exec":
+                    continue
+                got.append(f["args"])
+                for payload in sessions[len(got) - 1]:
+                    frame = {"id": f["id"], **payload} if "result" in payload else {"id": f["id"], "stream": payload}
+                    writer.write(protocol.encode_frame(frame))
+                    await writer.drain()
+                if not any("result" in p for p in sessions[len(got) - 1]):
+                    writer.transport.abort()
+                    return
+    return handle
+
+
+def test_a_keyed_streamed_exec_is_sent_again_from_what_came_while_each_loss_brought_frames(tmp_path):
+    """Each loss after output came sends the exec again, with the bytes of
+    stdout and stderr that came (a `lost` count among them); one after
+    which nothing came fails, saying it may have run."""
+    from dsecd import ConnectionLost
+    from dsecd.client import Sandbox
+
+    result = {"result": {"exit_code": 0, "signal": None, "existing": True}}
+    sessions = [[{"fd": 1, "data": b"ab"}],
+                [{"fd": 1, "data": b"cd"}, {"fd": 2, "data": b"e"}],
+                [{"fd": 2, "lost": 3}, {"fd": 1, "data": b"f"}, result]]
+
+    def run(sessions):
+        path = str(tmp_path / f"d{len(sessions)}.sock")
+        got: list[dict] = []
+
+        async def go():
+            async with await asyncio.start_unix_server(_streaming_stand_in(got, sessions), path):
+                async with Client(path, connect_timeout=5) as c:
+                    try:
+                        return await Sandbox(c, "sb1", {}).exec("yes", on_stdout=lambda d: None, key="k"), got
+                    except ConnectionLost as err:
+                        return err, got
+        return asyncio.run(go())
+
+    r, got = run(sessions)
+    assert [a.get("stream_from") for a in got] == [None, [2, 0], [4, 1]], got
+    assert {a["key"] for a in got} == {"k"} and all(a["stream"] for a in got)
+    assert (r.stdout, r.stderr, r.lost_output) == (b"abcdf", b"e", 3), r
+
+    err, got = run([sessions[0], []])
+    assert [a.get("stream_from") for a in got] == [None, [2, 0]], got
+    assert isinstance(err, ConnectionLost) and err.sent, err
+
+
+def test_a_keyed_streamed_exec_is_refused_with_input():
+    from dsecd.client import Sandbox
+
+    sb = Sandbox(Client("/nonexistent.sock"), "sb1", {})
+    for kwargs in ({"stdin": b"x"}, {"pty": True}):
+        with pytest.raises(ValueError, match="key is for an exec without stdin or pty"):
+            sb.exec_stream("cat", key="k", **kwargs)

@@ -111,6 +111,7 @@ class _FakeClient:
 
     def __init__(self, answer):
         self.server = {"limits": {"max_file_chunk_bytes": 1 << 20}}
+        self.key_execs = False          # a local socket's client: no keys made for execs
         self.requests: list[tuple[str, dict]] = []
         self.answer = answer
 

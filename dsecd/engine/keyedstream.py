@@ -1,0 +1,138 @@
+"""The output of a keyed streamed exec, kept so that the request sent again
+after a lost connection takes it up where its client's output stopped
+(dsecd/engine/opkeys.py).
+
+The exec runs under a KeyedStream in place of its request's context: its
+output frames go to the request now attached (the first one, then each one
+sent again with the key), and the last TAIL_BYTES of each of stdout and
+stderr stay here. A request sent again says how many bytes of each it got
+(`stream_from`); it is sent the rest of the tail from there, then what the
+exec writes next. What its client got before the tail began is answered
+`{"fd": n, "lost": bytes}` (the SDK counts it in ExecResult.lost_output).
+While no request is attached (its connection lost, the one sent again not
+come yet) the exec's output waits: the exec blocks on a full pipe rather
+than write past the tail, until a request comes or the key's orphan time
+ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..errors import BadRequest
+
+# Bytes of each of stdout and stderr kept for a request sent again: what the
+# first connection may have had in flight (its socket buffers, an ssh
+# link's window) when it was lost, with room to spare.
+TAIL_BYTES = 4 << 20
+# Largest data frame of a replay (the exec's own frames are a pipe read each).
+REPLAY_CHUNK = 256 << 10
+FDS = (1, 2)
+
+
+def check_stream_from(stream_from: list[int] | None) -> None:
+    """A request's `stream_from`: two byte counts (stdout, stderr) its client got."""
+    if stream_from is None:
+        return
+    if (not isinstance(stream_from, list) or len(stream_from) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in stream_from)):
+        raise BadRequest("exec: stream_from must be two byte counts [stdout, stderr], each >= 0, "
+                         f"got {stream_from!r}", {"stream_from": stream_from})
+
+
+class KeyedStream:
+    """A keyed streamed exec's request context (see the module's doc):
+    emit, register_exec and unregister_exec as a RequestContext's, going to
+    the request attached now."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx                 # the request its frames go to; None while none is attached
+        self._tails = {fd: bytearray() for fd in FDS}
+        self._starts = dict.fromkeys(FDS, 0)     # the offset of each tail's first byte
+        self._attached = asyncio.Event()
+        self._attached.set()
+        # Frames go out in order: a replay and the exec's next frames do not interleave.
+        self._lock = asyncio.Lock()
+        self._io = None                 # the running exec, for exec_signal on the request attached
+        self._registered = None         # the context it is registered with
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(len(t) for t in self._tails.values())
+
+    def ends(self) -> list[int]:
+        """The bytes of stdout and stderr sent so far."""
+        return [self._starts[fd] + len(self._tails[fd]) for fd in FDS]
+
+    async def emit(self, payload: dict) -> None:
+        while True:
+            await self._attached.wait()
+            async with self._lock:
+                if self._ctx is None:
+                    continue
+                fd = payload.get("fd")
+                if fd in self._tails and payload.get("data"):
+                    self._keep(fd, payload["data"])
+                await self._ctx.emit(payload)
+                return
+
+    def _keep(self, fd: int, data: bytes) -> None:
+        tail = self._tails[fd]
+        tail += data
+        # Trimmed once it is twice the bound: one copy per TAIL_BYTES written.
+        if len(tail) > 2 * TAIL_BYTES:
+            cut = len(tail) - TAIL_BYTES
+            del tail[:cut]
+            self._starts[fd] += cut
+
+    def register_exec(self, io) -> None:
+        self._io = io
+        if self._ctx is not None:
+            self._ctx.register_exec(io)
+            self._registered = self._ctx
+
+    def unregister_exec(self) -> None:
+        self._io = None
+        self._unregister()
+
+    def _unregister(self) -> None:
+        if self._registered is not None:
+            self._registered.unregister_exec()
+            self._registered = None
+
+    def check(self, stream_from: list[int] | None) -> None:
+        """Refuse a `stream_from` past what was sent."""
+        for fd, got, end in zip(FDS, stream_from or (0, 0), self.ends(), strict=True):
+            if got > end:
+                raise BadRequest(f"exec: stream_from says {got} bytes of fd {fd} came, but the exec has "
+                                 f"written {end}: send the byte counts of the output this key's exec gave",
+                                 {"stream_from": stream_from, "sent": self.ends()})
+
+    async def attach(self, ctx, stream_from: list[int] | None) -> None:
+        """Request `ctx` (sent again with the key) takes the stream over: it
+        is sent what came after `stream_from` (checked), then the rest."""
+        self.check(stream_from)
+        async with self._lock:
+            self._unregister()
+            self._ctx = ctx
+            for fd, got in zip(FDS, stream_from or (0, 0), strict=True):
+                await self._replay(ctx, fd, got)
+            if self._io is not None:
+                ctx.register_exec(self._io)
+                self._registered = ctx
+            self._attached.set()
+
+    async def _replay(self, ctx, fd: int, got: int) -> None:
+        start, tail = self._starts[fd], self._tails[fd]
+        if got < start:
+            await ctx.emit({"fd": fd, "lost": start - got})
+            got = start
+        for at in range(got - start, len(tail), REPLAY_CHUNK):
+            await ctx.emit({"fd": fd, "data": bytes(tail[at:at + REPLAY_CHUNK])})
+
+    def detach(self, ctx) -> None:
+        """Request `ctx`'s connection went: the output waits for the next."""
+        if self._ctx is ctx:
+            self._unregister()
+            self._ctx = None
+            self._attached.clear()

@@ -1,0 +1,266 @@
+"""A keyed streamed exec's output across lost connections
+(dsecd/engine/keyedstream.py, through OpKeys.once): the request sent again
+gets what its client had not got, once, then the rest and the result; the
+command runs once; what the daemon no longer has is told as `lost`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dsecd import protocol
+from dsecd.engine import keyedstream
+from dsecd.engine.execs import exec_summary
+from dsecd.engine.keyedstream import KeyedStream
+from dsecd.engine.opkeys import OpKeys
+from dsecd.engine.sandboxes import Sandbox, SandboxRegistry
+from dsecd.errors import BadRequest, Conflict
+
+
+class _Journal:
+    def write(self, key, record):
+        pass
+
+    def delete(self, key):
+        pass
+
+
+class _Ctx:
+    """A request's context: the frames sent to its client, and its connection's execs."""
+
+    def __init__(self, why: str = "gone"):
+        self.frames: list[dict] = []
+        self.why = why
+        self.execs: list[object] = []
+
+    async def emit(self, payload: dict) -> None:
+        self.frames.append(payload)
+        await asyncio.sleep(0)
+
+    def why_cancelled(self) -> str:
+        return self.why
+
+    def register_exec(self, io) -> None:
+        self.execs.append(io)
+
+    def unregister_exec(self) -> None:
+        self.execs.clear()
+
+    def output(self, fd: int) -> bytes:
+        return b"".join(f["data"] for f in self.frames if f.get("fd") == fd and "data" in f)
+
+    def lost(self, fd: int) -> int:
+        return sum(f.get("lost", 0) for f in self.frames if f.get("fd") == fd)
+
+
+class World:
+    """One sandbox, and an exec whose run writes what `feed` gives it."""
+
+    def __init__(self):
+        self.registry = SandboxRegistry(_Journal())
+        self.registry.op_keys = OpKeys(self.registry)
+        self.sb = Sandbox(id="sb1", image="busybox", state="running", created=0.0,
+                          limits={"cpu": 1.0, "memory": 1 << 20})
+        self.registry.add(self.sb)
+        self.runs = 0
+        self.feed: asyncio.Queue = asyncio.Queue()     # (fd, data) to write; None: exit
+        self.io = object()
+
+    def exec(self, ctx: _Ctx, stream_from: list[int] | None = None):
+        req = protocol.Exec(sandbox=self.sb.id, argv=["yes"], stream=True, key="k", stream_from=stream_from)
+        stream = KeyedStream(ctx)
+
+        async def run() -> dict:
+            self.runs += 1
+            stream.register_exec(self.io)
+            try:
+                while (item := await self.feed.get()) is not None:
+                    await stream.emit({"fd": item[0], "data": item[1]})
+            finally:
+                stream.unregister_exec()
+            return {"exit_code": 0, "signal": None, "timed_out": False}
+
+        return self.registry.op_keys.once(self.sb, "exec", req, ctx, run, exec_summary, stream=stream)
+
+
+async def _settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def _lose(task: asyncio.Task) -> None:
+    """The request's connection went: its task is cancelled (its ctx says "gone")."""
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def test_the_request_sent_again_gets_the_output_its_client_missed_and_the_command_runs_once():
+    w = World()
+
+    async def go():
+        first = _Ctx()
+        task = asyncio.ensure_future(w.exec(first))
+        await w.feed.put((1, b"one "))
+        await w.feed.put((2, b"err "))
+        await w.feed.put((1, b"two "))
+        await _settle()
+        await _lose(task)
+        # Its client got "one " only: "two " and "err " were in flight.
+        again = _Ctx()
+        task = asyncio.ensure_future(w.exec(again, [4, 0]))
+        await _settle()
+        await w.feed.put((1, b"three"))
+        await w.feed.put(None)
+        return first, again, await task
+
+    first, again, result = asyncio.run(go())
+    assert first.output(1) == b"one two "
+    assert again.output(1) == b"two three" and again.output(2) == b"err "
+    assert result["existing"] is True and result["exit_code"] == 0
+    assert w.runs == 1
+
+
+def test_output_waits_while_no_request_is_connected():
+    w = World()
+
+    async def go():
+        first = _Ctx()
+        task = asyncio.ensure_future(w.exec(first))
+        await _settle()
+        await _lose(task)
+        await w.feed.put((1, b"held"))
+        await _settle()
+        held = w.feed.empty() and first.output(1) == b""
+        again = _Ctx()
+        task = asyncio.ensure_future(w.exec(again, [0, 0]))
+        await _settle()
+        await w.feed.put(None)
+        await task
+        return held, first, again
+
+    held, first, again = asyncio.run(go())
+    assert held
+    assert first.output(1) == b"" and again.output(1) == b"held"
+
+
+def test_what_fell_out_of_the_tail_is_told_as_lost(monkeypatch):
+    monkeypatch.setattr(keyedstream, "TAIL_BYTES", 8)
+    w = World()
+
+    async def go():
+        first = _Ctx()
+        task = asyncio.ensure_future(w.exec(first))
+        for piece in (b"aaaaaaaa", b"bbbbbbbb", b"cccccccc"):
+            await w.feed.put((1, piece))
+        await _settle()
+        await _lose(task)
+        again = _Ctx()
+        task = asyncio.ensure_future(w.exec(again, [0, 0]))
+        await _settle()
+        await w.feed.put(None)
+        await task
+        return again
+
+    again = asyncio.run(go())
+    # 24 bytes written; the tail is trimmed to 8 once it passes 16.
+    assert again.lost(1) == 16 and again.output(1) == b"cccccccc"
+
+
+def test_a_request_sent_again_after_the_end_gets_the_rest_then_the_result():
+    w = World()
+
+    async def go():
+        first = _Ctx()
+        task = asyncio.ensure_future(w.exec(first))
+        await w.feed.put((1, b"all of it"))
+        await w.feed.put(None)
+        answer = await task
+        again = _Ctx()
+        return answer, again, await w.exec(again, [4, 0])
+
+    answer, again, result = asyncio.run(go())
+    assert again.output(1) == b"of it" and result == {**answer, "existing": True}
+    assert w.runs == 1
+
+
+def test_stream_from_past_what_the_exec_wrote_is_refused():
+    w = World()
+
+    async def go():
+        task = asyncio.ensure_future(w.exec(_Ctx()))
+        await w.feed.put((1, b"abc"))
+        await _settle()
+        await _lose(task)
+        with pytest.raises(BadRequest, match="stream_from says 4 bytes of fd 1"):
+            await w.exec(_Ctx(), [4, 0])
+        task = asyncio.ensure_future(w.exec(_Ctx(), [3, 0]))
+        await _settle()
+        await w.feed.put(None)
+        return await task
+
+    assert asyncio.run(go())["exit_code"] == 0
+
+
+def test_output_got_under_a_key_this_daemon_does_not_know_is_not_run_again():
+    w = World()
+
+    async def go():
+        with pytest.raises(Conflict) as caught:
+            await w.exec(_Ctx(), [10, 0])
+        return caught.value
+
+    err = asyncio.run(go())
+    assert err.detail["outcome"] == "unknown" and w.runs == 0
+
+
+def test_the_running_exec_is_registered_with_the_request_connected_now():
+    """exec_signal names the exec on the connection of the request sent again."""
+    w = World()
+
+    async def go():
+        first = _Ctx()
+        task = asyncio.ensure_future(w.exec(first))
+        await _settle()
+        registered_first = list(first.execs)
+        await _lose(task)
+        again = _Ctx()
+        task = asyncio.ensure_future(w.exec(again, [0, 0]))
+        await _settle()
+        state = (registered_first, list(first.execs), list(again.execs))
+        await w.feed.put(None)
+        await task
+        return state, again
+
+    (registered_first, first_after, again_during), again = asyncio.run(go())
+    assert registered_first == [w.io] and first_after == [] and again_during == [w.io]
+    assert again.execs == []
+
+
+def test_a_cancel_of_the_request_sent_again_ends_the_exec():
+    w = World()
+
+    async def go():
+        task = asyncio.ensure_future(w.exec(_Ctx()))
+        await _settle()
+        await _lose(task)
+        task = asyncio.ensure_future(w.exec(_Ctx("cancel"), [0, 0]))
+        await _settle()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(Conflict) as caught:
+            await w.exec(_Ctx(), [0, 0])
+        return caught.value
+
+    assert asyncio.run(go()).detail["outcome"] == "cancelled"
+    assert w.runs == 1
+
+
+def test_bad_stream_from_values_are_refused():
+    for bad in ([1], [1, 2, 3], [-1, 0], [True, 0], "0,0"):
+        with pytest.raises(BadRequest, match="stream_from must be two byte counts"):
+            keyedstream.check_stream_from(bad)
+    keyedstream.check_stream_from([0, 5])
+    keyedstream.check_stream_from(None)
