@@ -22,9 +22,10 @@ What is kept, and for how long:
 - A request that failed on an error other than a DsecError (a bug) may
   have done something: its key stays, marked failed (journaled), and
   answers so.
-- At most KEYS_PER_SANDBOX keys of ended requests per sandbox, the oldest
-  forgotten first, and none past KEY_TTL_S: a key forgotten is free again
-  (a request with it runs anew). A key also goes with its sandbox.
+- At most KEYS_PER_SANDBOX keys of ended requests per sandbox besides
+  those under way, the one that ended first forgotten first, and none past
+  KEY_TTL_S: a key forgotten is free again (a request with it runs anew).
+  A key also goes with its sandbox.
 - A collected exec's whole answer (its output, and its trace if traced) is
   kept in memory, at most KEPT_OUTPUT_BYTES of output and traces over the
   daemon, the oldest dropped first; an exec sent again after its output was
@@ -180,7 +181,7 @@ class OpKeys:
                            "before sending it again under another key",
                            {"key": req.key, "sandbox": sb.id, "op": op, "outcome": "unknown"})
         sb.op_keys[req.key] = {"op": op, "args": digest, "at": self.clock()}
-        self._trim(sb)
+        self._trim(sb, req.key)
         try:
             self.registry.save(sb)
         except BaseException:
@@ -254,6 +255,8 @@ class OpKeys:
         entry = sb.op_keys.get(at[1])
         stream = self._streams.pop(at, None)
         if task.cancelled():
+            if entry is not None:
+                self._ended_last(sb, at[1])
             if entry is not None and entry.get("cancelled"):
                 self._save(sb)
             fut.set_result(None)
@@ -269,6 +272,7 @@ class OpKeys:
                 # Another (a bug, answered `internal`) may come after the
                 # request did something: the key stays taken and says so.
                 entry["failed"] = type(err).__name__
+                self._ended_last(sb, at[1])
                 self._save(sb)
             fut.set_result(None)
             return
@@ -278,6 +282,7 @@ class OpKeys:
             # past (its answer made regardless), cancelled nothing: what it
             # did is the key's answer.
             cancelled = entry.pop("cancelled", None)
+            self._ended_last(sb, at[1])
             if journal_end:
                 entry["result"] = summary(answer)
                 self._save(sb)
@@ -365,11 +370,22 @@ class OpKeys:
         if old:
             self._save(sb)
 
-    def _trim(self, sb) -> None:
-        """At most KEYS_PER_SANDBOX keys of ended requests: the oldest go."""
-        ended = [k for k in sb.op_keys if (sb.id, k) not in self._running]
+    def _trim(self, sb, begun: str | None = None) -> None:
+        """At most KEYS_PER_SANDBOX keys of ended requests, besides those
+        under way: the one that ended first goes first. `begun`: the key of
+        a request about to run, not yet in `_running`, not an ended one."""
+        ended = [k for k in sb.op_keys if (sb.id, k) not in self._running and k != begun]
         for key in ended[:max(0, len(ended) - KEYS_PER_SANDBOX)]:
             self._forget(sb, key)
+
+    def _ended_last(self, sb, key: str) -> None:
+        """`key`'s request ended and its key stays: the newest of the
+        sandbox's ended keys, so the last forgotten however long it ran (a
+        key that began first but ended last is still there for the request
+        sent again). One too many ended keys, the first ended goes: in
+        memory now, from the journal with the sandbox's next record."""
+        sb.op_keys[key] = sb.op_keys.pop(key)
+        self._trim(sb)
 
     def _forget(self, sb, key: str) -> None:
         del sb.op_keys[key]

@@ -87,7 +87,8 @@ class Sandbox:
     core_sched: str = "off"     # on | off | unavailable
     key: str | None = None      # idempotency key of the create (dsecd/engine/creates.py)
     key_args: str | None = None  # digest of that create's other arguments: a reuse must match them
-    # Idempotency keys of its execs, processes and snapshots (dsecd/engine/opkeys.py), oldest first.
+    # Idempotency keys of its execs, processes and snapshots (dsecd/engine/opkeys.py), oldest first:
+    # in the order they began, a key moved last as its request ends.
     op_keys: dict = field(default_factory=dict)
     idmap: dict | None = None   # user-namespace id range (dsecd/userns.py); None = host ids
     procs: list = field(default_factory=list)   # background processes' records (dsecd/engine/procs.py)

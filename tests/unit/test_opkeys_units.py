@@ -114,6 +114,54 @@ def test_a_sandbox_keeps_the_keys_of_its_latest_requests_only():
     assert len(journaled) == KEYS_PER_SANDBOX and "k0" in journaled and "k1" not in journaled
 
 
+def test_the_key_of_a_request_that_begins_does_not_push_out_an_ended_one():
+    """KEYS_PER_SANDBOX keys of ended requests are kept besides those under
+    way: a request that begins is not counted among the ended ones (it was,
+    and each one that began took the place of the oldest ended key while it
+    ran); once it ended, the first ended key goes."""
+    w = World()
+
+    async def go():
+        for n in range(KEYS_PER_SANDBOX):
+            await w.exec(["echo", str(n)], f"k{n}")
+        release = asyncio.Event()
+        long = asyncio.ensure_future(w.exec(["sleep"], "long", until=release))
+        await asyncio.sleep(0)
+        kept = await w.exec(["echo", "0"], "k0")    # still kept while `long` runs: answered, not run
+        while_running = set(w.journal.records["sb1"]["op_keys"])
+        release.set()
+        await long
+        anew = await w.exec(["echo", "0"], "k0")    # the first ended, forgotten as `long` ended: run anew
+        return kept, while_running, anew
+
+    kept, while_running, anew = asyncio.run(go())
+    assert kept["existing"] is True and "existing" not in anew
+    assert while_running == {f"k{n}" for n in range(KEYS_PER_SANDBOX)} | {"long"}, sorted(while_running)
+    assert [argv[-1] for argv in w.runs] == [str(n) for n in range(KEYS_PER_SANDBOX)] + ["sleep", "0"]
+    assert len(w.sb.op_keys) == KEYS_PER_SANDBOX and "k1" not in w.sb.op_keys
+
+
+def test_a_request_that_began_first_and_ended_last_keeps_its_key():
+    """The ended keys go in the order their requests ended: a long request
+    that began before KEYS_PER_SANDBOX shorter ones is answered when sent
+    again after it ended, not forgotten as it ends."""
+    w = World()
+
+    async def go():
+        release = asyncio.Event()
+        long = asyncio.ensure_future(w.exec(["sleep"], "long", until=release))
+        await asyncio.sleep(0)
+        for n in range(KEYS_PER_SANDBOX):
+            await w.exec(["echo", str(n)], f"k{n}")
+        release.set()
+        first = await long
+        return first, await w.exec(["sleep"], "long")
+
+    first, again = asyncio.run(go())
+    assert again == {**first, "existing": True} and w.runs.count(["sleep"]) == 1, w.runs
+    assert len(w.sb.op_keys) == KEYS_PER_SANDBOX and "k0" not in w.sb.op_keys and "long" in w.sb.op_keys
+
+
 def test_the_traces_of_keyed_execs_count_against_what_the_daemon_keeps(monkeypatch):
     """A traced exec's answer holds its trace (up to limits.max_trace_bytes,
     1 MiB, of the tracer's JSON) beside its output: kept uncounted, a
