@@ -282,12 +282,16 @@ class Node:
         # sandbox; one that does not end in time is finished or undone by
         # the next daemon's re-adoption. Keyed requests whose client went
         # (still running for its return) end as the others did at the
-        # server's stop.
-        self.registry.op_keys.close()
-        left = await finish_under_way(STOP_WAIT_S)
+        # server's stop, and are waited for in the same time: an exec's
+        # group is killed through init's channel, which the stop closes below.
+        keyed, left = await asyncio.gather(self.registry.op_keys.close(STOP_WAIT_S), finish_under_way(STOP_WAIT_S))
         if left:
             log.warning("stopping with %d pause(s), resume(s) or snapshot(s) still under way after %.0f s; "
                         "the next daemon takes their sandboxes back as it finds them", left, STOP_WAIT_S)
+        if keyed:
+            log.warning("stopping with %d keyed request(s) (exec, proc_start, snapshot) not ended %.0f s after "
+                        "they were cancelled; the next daemon takes their sandboxes back as it finds them, and "
+                        "their keys answer that their outcome is unknown", keyed, STOP_WAIT_S)
         # First: from here on, output and ends of background processes stay in
         # init's pipes for the next daemon; what this one read would be lost.
         self.procs.close()

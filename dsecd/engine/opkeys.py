@@ -398,13 +398,25 @@ class OpKeys:
             self._drop_answer(at)
             self._summaries.pop(at, None)
 
-    def close(self) -> None:
-        """The daemon stops: the keyed requests under way end as those of connections do."""
+    async def close(self, timeout: float) -> int:
+        """The daemon stops: the keyed requests under way end as those of
+        connections do, and are waited for up to `timeout` s, so that their
+        undoing (an exec's process group killed, a snapshot's sandbox
+        thawed) is done before the stop closes what it goes through (init's
+        channels, the worker pool). Bounded: an undoing that hangs (a thaw
+        whose cgroup write blocks, a kill through a wedged init) must not
+        keep the daemon from stopping; what it leaves, the next daemon's
+        re-adoption finds as after a death. How many had not ended."""
         for timer in self._orphans.values():
             timer.cancel()
         self._orphans.clear()
-        for task in self._tasks.values():
+        tasks = set(self._tasks.values())
+        for task in tasks:
             task.cancel()
+        if not tasks:
+            return 0
+        _done, pending = await asyncio.wait(tasks, timeout=timeout)
+        return len(pending)
 
 
 def _status(summary: dict) -> str:

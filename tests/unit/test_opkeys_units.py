@@ -308,6 +308,66 @@ def test_a_cancelled_request_ends_and_its_key_says_so():
     assert w.registry.op_keys._tasks == {} and w.runs == [["sleep"]]
 
 
+def test_the_daemons_stop_waits_for_the_keyed_requests_it_ends_to_be_undone():
+    """close() (the daemon's stop) cancels the keyed requests under way,
+    one whose client went included, and comes back once their undoing (an
+    exec's group killed, a snapshot's sandbox thawed) is over: the stop
+    goes on to close what that undoing goes through."""
+    w = World()
+
+    async def go():
+        orphan = asyncio.ensure_future(w.exec(["sleep", "1"], "gone", ctx=_Ctx("gone"), until=asyncio.Event()))
+        await asyncio.sleep(0)
+        orphan.cancel()                          # its client went: it runs on, waited for by nobody
+        with pytest.raises(asyncio.CancelledError):
+            await orphan
+        waited = asyncio.ensure_future(w.exec(["sleep", "2"], "here", ctx=_Ctx("stop"), until=asyncio.Event()))
+        while ["sleep", "2"] not in w.runs:
+            await asyncio.sleep(0)
+        left = await w.registry.op_keys.close(5.0)
+        unwound = list(w.unwound)
+        with pytest.raises(asyncio.CancelledError):
+            await waited
+        return left, unwound
+
+    left, unwound = asyncio.run(go())
+    assert left == 0 and sorted(unwound) == [["sleep", "1"], ["sleep", "2"]], unwound
+    assert w.registry.op_keys._tasks == {} and w.registry.op_keys._orphans == {}
+
+
+def test_the_daemons_stop_waits_for_a_keyed_request_a_bounded_time():
+    """An undoing that hangs (a thaw whose cgroup write blocks) must not
+    keep the daemon from stopping: close() gives up after its timeout and
+    says how many requests had not ended."""
+    w = World()
+    req = protocol.Exec(sandbox="sb1", argv=["sleep"], stream=False, key="stuck")
+
+    async def go():
+        unstuck = asyncio.Event()
+
+        async def run() -> dict:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                await unstuck.wait()
+                raise
+
+        request = asyncio.ensure_future(w.registry.op_keys.once(w.sb, "exec", req, _Ctx("gone"), run, exec_summary))
+        await asyncio.sleep(0)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        started = time.monotonic()
+        left = await w.registry.op_keys.close(0.05)
+        took = time.monotonic() - started
+        unstuck.set()
+        assert await w.registry.op_keys._running[("sb1", "stuck")] is None
+        return left, took
+
+    left, took = asyncio.run(go())
+    assert left == 1 and took < 5.0, (left, took)
+
+
 def test_a_request_that_failed_frees_its_key():
     w = World()
 
