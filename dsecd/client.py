@@ -115,8 +115,10 @@ IDEMPOTENT = ("pause", "resume", "renew")
 # create always, the others where its hello lists "op.keys" (a streamed
 # exec: "op.keys.stream"), an exec over ssh:// only (Client.key_execs).
 KEYED = ("create", "exec", "proc_start", "snapshot")
-# Of those, ones whose frames before the result are progress only: seen
-# again from the request sent again, they tell nothing false.
+# Of those, ones whose frames before the result are progress only: the
+# request sent again streams the progress of the one under way from there
+# on (the daemon sends it to every request of the key waiting), so they
+# tell nothing false.
 PROGRESS_FRAMES = ("snapshot",)
 # A lost connection is made again at the next request (reconnect=True):
 # while the daemon does not answer (a restart: no socket, or refused), tries
@@ -3259,7 +3261,10 @@ class Sandbox:
         read from its root (`root/.cache` is /root/.cache), never from a
         working directory. key: idempotency key, as exec's (the SDK makes
         one if none is given): sent again, the snapshot answers with the
-        image it made (`progress` may then hear the packing twice)."""
+        image it made; `progress` then hears the pack under way from where
+        it is by then, each event once (a pack from its start again only if
+        the first made no image: its error went with the connection, and
+        the key with it)."""
         return await self._keyed("snapshot", {"sandbox": self.id, "name": name, "exclude": exclude or []}, key,
                                  progress)
 

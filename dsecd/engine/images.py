@@ -246,6 +246,11 @@ class ImageService:
                   "direct": self._direct_source}[self.image_mode]
         self.layers = LayerMounts(cfg.state_dir / "layers", source, section["layer_grace_s"])
         self.snapshot_exclude = list(section["snapshot_exclude"])
+        # (sandbox id, key) -> the contexts of the requests of a keyed
+        # snapshot waiting for its pack now: its progress goes to them, not
+        # to the request that began it, whose connection may have gone
+        # (the SDK sends it again, and the one sent again waits for it).
+        self._snapshot_hearers: dict[tuple[str, str], list] = {}
         self.max_snapshot_bytes = cfg.size("images", "max_snapshot_bytes")
         self.max_frame = cfg.size("limits", "max_frame_bytes")
         self._sweep_task: asyncio.Task | None = None
@@ -800,15 +805,47 @@ class ImageService:
         (a paused one is packed as it is, and stays paused)."""
         check_excludes(req.exclude)
         sb = self.registry.get(req.sandbox, req)
-        return await self.registry.op_keys.once(sb, "snapshot", req, ctx, lambda: self._snapshot_busy(sb, req, ctx),
-                                                _image_made, self._snapshot_again)
+        if req.key is None:
+            return await self._snapshot_busy(sb, req, self._progress(ctx))
+        at = (sb.id, req.key)
+        with self._hearing(at, ctx):
+            return await self.registry.op_keys.once(sb, "snapshot", req, ctx,
+                                                    lambda: self._snapshot_busy(sb, req, self._keyed_progress(at)),
+                                                    _image_made, self._snapshot_again)
 
-    async def _snapshot_busy(self, sb, req, ctx) -> dict:
+    @contextlib.contextmanager
+    def _hearing(self, at: tuple[str, str], ctx):
+        """While in it, the request of `ctx` hears the progress of the
+        snapshot of its key (`at`) under way: from its start if it began
+        it, from then on if it waits for one begun before (it was sent again
+        after a lost connection). Each event once: none is told again."""
+        hearers = self._snapshot_hearers.setdefault(at, [])
+        hearers.append(ctx)
+        try:
+            yield
+        finally:
+            hearers.remove(ctx)
+            if not hearers:
+                del self._snapshot_hearers[at]
+
+    def _keyed_progress(self, at: tuple[str, str]):
+        """The progress callback (called in a worker) of the keyed snapshot
+        `at`: each event goes to the requests hearing it as it comes."""
+        def tell(p: dict) -> None:
+            for ctx in self._snapshot_hearers.get(at, ()):
+                ctx.emit_nowait({"progress": p})
+
+        def progress(p: dict) -> None:
+            self.workers.loop.call_soon_threadsafe(tell, p)
+
+        return progress
+
+    async def _snapshot_busy(self, sb, req, progress) -> dict:
         # Busy as a directory copy out is: its idle TTL must not end the
         # sandbox while its layer is packed, and starts again at the end.
         busy(sb, 1)
         try:
-            return await self._snapshot(sb, req, ctx)
+            return await self._snapshot(sb, req, progress)
         finally:
             busy(sb, -1)
 
@@ -827,7 +864,7 @@ class ImageService:
                            {"name": made["name"], "manifest": made["manifest"]})
         return image.to_dict()
 
-    async def _snapshot(self, sb, req, ctx) -> dict:
+    async def _snapshot(self, sb, req, progress) -> dict:
         # A name taken is said before the sandbox is frozen for nothing (and
         # checked again at the commit, for one taken meanwhile).
         await self._images_call(self.images.name_free, req.name)
@@ -840,11 +877,11 @@ class ImageService:
                 raise Conflict(f"sandbox {sb.id} is a paused microVM; resume it first (dsec resume {sb.id})",
                                {"sandbox": sb.id, "state": sb.state})
             async with self.vm_upper(sb, self.images.scratch, self.max_snapshot_bytes, exclude) as upper:
-                image = await self._pack(upper, base, req.name, exclude + self._temporaries(sb), ctx)
+                image = await self._pack(upper, base, req.name, exclude + self._temporaries(sb), progress)
             return image.to_dict()
         async with self.frozen_upper(sb) as upper:
             with count_image_op("snapshot") as done:
-                image = await self._pack(upper, base, req.name, exclude + self._temporaries(sb), ctx)
+                image = await self._pack(upper, base, req.name, exclude + self._temporaries(sb), progress)
                 done(image)
         return image.to_dict()
 
@@ -858,15 +895,16 @@ class ImageService:
         is in view, just before the pack."""
         return self.temporaries(sb.id) if self.temporaries is not None else []
 
-    async def _pack(self, upper, base: Image, name: str, exclude: list[str], ctx) -> Image:
-        """images.snapshot of `upper` in a worker. Cancelled, the pack is
+    async def _pack(self, upper, base: Image, name: str, exclude: list[str], progress) -> Image:
+        """images.snapshot of `upper` in a worker, its events to `progress`
+        (called in the worker). Cancelled, the pack is
         stopped (its mkfs.erofs killed) or, past that, kept from publishing
         the image, and waited for: the view it reads is removed, and the
         sandbox thawed, only after it has ended, and the request's final
         frame comes after that."""
         cancelled = threading.Event()
         packing = asyncio.ensure_future(self._images_call(self.images.snapshot, upper, base, name, exclude,
-                                                          self._progress(ctx), self.max_snapshot_bytes,
+                                                          progress, self.max_snapshot_bytes,
                                                           cancelled))
         try:
             return await asyncio.shield(packing)

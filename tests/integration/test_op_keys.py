@@ -96,6 +96,43 @@ def test_a_snapshot_whose_connection_drops_after_it_was_sent_is_made_once(daemon
     assert len(images) == 1 and made["name"] == name and made["manifest"] == images[0]["manifest"], (made, images)
 
 
+def test_a_snapshot_sent_again_hears_the_progress_of_the_pack_under_way(daemon, tmp_path):
+    """The connection is cut as the snapshot goes by: the SDK sends it
+    again with its key, and the request sent again waits for the pack the
+    first one began. That pack's progress comes to it from then on (it went
+    to the cut connection alone, and the caller heard nothing more until
+    the image came), each event once: the bytes written only grow, and the
+    layer is told once."""
+    name = f"keyed-snap-progress-{time.monotonic_ns()}"
+    heard: list[dict] = []
+
+    async def go():
+        async with Client(daemon.socket) as direct:
+            sb = await direct.create(image="busybox", memory="256M")
+            try:
+                # Random bytes, so that the pack (mkfs.erofs, then the layer's
+                # digest) lasts past the SDK's reconnect by far.
+                r = await sb.exec(["dd", "if=/dev/urandom", "of=/root/big", "bs=1M", "count=64"])
+                assert r.exit_code == 0, r.stderr
+                async with CuttingRelay(daemon.socket, str(tmp_path / "r.sock"), "snapshot") as relay:
+                    async with Client(relay.path) as c:
+                        mine = await c.get(sb.id)
+                        made = await mine.snapshot(name, progress=heard.append)
+                    assert relay.cut.is_set() and relay.seen.count("snapshot") == 2, relay.seen
+                return made
+            finally:
+                await sb.destroy(force=True)
+                with contextlib.suppress(Exception):
+                    await direct.request("image_rm", name=name)
+
+    made = asyncio.run(go())
+    layers = [p for p in heard if p.get("step") == "layer"]
+    assert len(layers) == 1 and layers[0]["digest"] == made["layers"][-1]["digest"], heard
+    written = [p["bytes"] for p in heard if p.get("step") == "mkfs.erofs" and "bytes" in p]
+    begun = [p for p in heard if p.get("step") == "mkfs.erofs" and "bytes" not in p]
+    assert written == sorted(written) and len(begun) <= 1, heard
+
+
 def test_a_key_given_again_with_other_arguments_is_a_conflict_naming_it(client, sandbox):
     first = client.request("exec", sandbox=sandbox.id, argv=["echo", "one"], stream=False, key="step-1")
     again = client.request("exec", sandbox=sandbox.id, argv=["echo", "one"], stream=False, key="step-1")
