@@ -1,5 +1,5 @@
 """Idempotency keys of the requests that do something each time they run in
-a sandbox: a collected `exec`, `proc_start` and `snapshot`. A request whose
+a sandbox: an `exec` without stdin or pty, `proc_start` and `snapshot`. A request whose
 connection was lost after it was sent (an ssh:// link cut, a daemon restart)
 may have run: sent again with the same key, it is answered with what the
 first one did (its result, `existing: true`), or waits for it if it still
@@ -30,7 +30,10 @@ What is kept, and for how long:
   kept in memory, at most KEPT_OUTPUT_BYTES of output and traces over the
   daemon, the oldest dropped first; an exec sent again after its output was
   dropped gets its status and an error saying how many bytes of output
-  were lost.
+  were lost. A streamed exec's output goes to its client as it comes, and
+  the tail of it is kept (keyedstream.py) for the request sent again, which
+  takes it up from the bytes its client got: while it runs, and with its
+  answer once it ended, counted in KEPT_OUTPUT_BYTES then.
 
 A request under a key does not die with its connection (a lost link is what
 the key is for): it runs on, and its answer waits for the request sent
@@ -224,7 +227,10 @@ class OpKeys:
             if why != "gone" and (task := self._tasks.get(at)) is not None:
                 if why == "cancel" and (entry := sb.op_keys.get(at[1])) is not None:
                     entry["cancelled"] = "cancel"
-                task.cancel()
+                # Once: a second cancel would cut short the undoing the
+                # first began (close() may have cancelled it already).
+                if not task.cancelling():
+                    task.cancel()
                 # Its undoing (a snapshot's sandbox thawed, an exec's group
                 # killed) is over before the request's own end is told, as
                 # when it ran in the request.
@@ -412,7 +418,8 @@ class OpKeys:
         self._orphans.clear()
         tasks = set(self._tasks.values())
         for task in tasks:
-            task.cancel()
+            if not task.cancelling():         # one its request's stop cancelled is undoing already
+                task.cancel()
         if not tasks:
             return 0
         _done, pending = await asyncio.wait(tasks, timeout=timeout)

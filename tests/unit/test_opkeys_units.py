@@ -335,6 +335,41 @@ def test_the_daemons_stop_waits_for_the_keyed_requests_it_ends_to_be_undone():
     assert w.registry.op_keys._tasks == {} and w.registry.op_keys._orphans == {}
 
 
+def test_a_keyed_request_cancelled_by_its_stop_and_by_close_is_undone_whole():
+    """The daemon's stop cancels the request (its connection's) and the
+    keyed requests (close()) alike: the run is cancelled once, so the
+    undoing the first cancel began is not cut short by the second."""
+    w = World()
+    req = protocol.Exec(sandbox="sb1", argv=["sleep"], stream=False, key="k")
+    undone = []
+
+    async def go():
+        undoing, release = asyncio.Event(), asyncio.Event()
+
+        async def run() -> dict:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                undoing.set()
+                await release.wait()            # the undoing takes turns of the loop
+                undone.append("sleep")
+                raise
+
+        request = asyncio.ensure_future(w.registry.op_keys.once(w.sb, "exec", req, _Ctx("stop"), run, exec_summary))
+        await asyncio.sleep(0)
+        request.cancel()                         # its connection's cancel began the undoing
+        await undoing.wait()
+        closing = asyncio.ensure_future(w.registry.op_keys.close(5.0))
+        await asyncio.sleep(0.01)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        return await closing
+
+    assert asyncio.run(go()) == 0
+    assert undone == ["sleep"], undone
+
+
 def test_the_daemons_stop_waits_for_a_keyed_request_a_bounded_time():
     """An undoing that hangs (a thaw whose cgroup write blocks) must not
     keep the daemon from stopping: close() gives up after its timeout and
