@@ -23,7 +23,9 @@ nodes, fifos and hard links within a layer are kept. mtimes are not:
 mkfs.erofs writes every layer with timestamp 0 (fs/erofs.py).
 
 measure() walks the layers' file listings alone, top layer first, for
-what merge() would write: the room a flatten checks first.
+what merge() would write: the room a flatten checks first. peak_entries()
+walks them bottom first, as merge() applies them, for how many names the
+tree holds at most while it is written: the inodes a flatten checks first.
 
 Overlay bookkeeping the merge does not reproduce is refused (Unsupported):
 a redirect (overlayfs follows one in a lower layer, redirect_dir=follow,
@@ -225,6 +227,91 @@ def measure(layers: list[str], progress: Callable[[dict], None] | None = None,
         if _opaque(top):
             seen[""] = _HIDING
     return out
+
+
+# peak_entries' mark of a name the tree merged so far does not have.
+_ABSENT = object()
+
+
+def peak_entries(layers: list[str], progress: Callable[[dict], None] | None = None,
+                 cancelled: threading.Event | None = None) -> tuple[int, int]:
+    """(the most names merge(layers) has in its tree at once, the names
+    of the finished tree), the root left out, from the layers' metadata
+    alone (nothing read, nothing written): an inode each on the scratch
+    dir's file system (a hard link's extra name takes none on ext4 or xfs
+    but one on tmpfs, which charges each link: counted).
+
+    The most at once is not the finished tree's count (measure's
+    `entries`): merge writes a layer's files before a layer above removes
+    them, and a layer's new names before its whiteouts or a directory it
+    puts over one below remove older names next to them, when they sort
+    first. (merge writes no whiteout, and removes a file a layer replaces
+    just before its copy is written: a replacement adds no name.) So this
+    walks the layers as merge applies them, bottom first, a directory's
+    entries by name and each directory's after its parent's, adding and
+    removing names as merge does, and keeps the largest count on the way:
+    merge's own peak. Holds the tree merged so far as nested dicts.
+    Progress: {"step": "count", "layer", "of", "entries"} (the layer being
+    walked, 1-based; the names of the tree so far), at most every
+    PROGRESS_EVERY_S; Cancelled as merge."""
+    tree: dict = {}                # name -> dict (a directory) or None
+    names = peak = 0
+    last = 0.0
+    of = len(layers)
+    for n, top in enumerate(layers, 1):
+        if _opaque(top):
+            names -= _names_under(tree)
+            tree.clear()
+        stack = [(tree, top)]
+        while stack:
+            node, src_dir = stack.pop()
+            with os.scandir(src_dir) as entries:
+                for entry in sorted(entries, key=lambda e: e.name):
+                    names += _apply_name(entry, node, stack)
+                    peak = max(peak, names)
+                    if cancelled is not None and cancelled.is_set():
+                        raise Cancelled()
+                    now = time.monotonic()
+                    if progress is not None and now - last >= PROGRESS_EVERY_S:
+                        last = now
+                        progress({"step": "count", "layer": n, "of": of, "entries": names})
+    return peak, names
+
+
+def _apply_name(entry: os.DirEntry, node: dict, stack: list) -> int:
+    """What _apply_entry does with `entry` to its directory's names, done
+    to peak_entries' `node`; a directory pushed on `stack` as _apply does.
+    Returns the names added (less those removed)."""
+    st = entry.stat(follow_symlinks=False)
+    below = node.get(entry.name, _ABSENT)
+    gone = 0 if below is _ABSENT else 1 + (_names_under(below) if below is not None else 0)
+    if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:        # a whiteout
+        node.pop(entry.name, None)
+        return -gone
+    if stat.S_ISDIR(st.st_mode):
+        if isinstance(below, dict):             # merged into: what it holds stays, unless opaque
+            gone = 0
+            if _opaque(entry.path):
+                gone = _names_under(below)
+                below.clear()
+            stack.append((below, entry.path))
+            return -gone
+        node[entry.name] = {}
+        stack.append((node[entry.name], entry.path))
+        return 1 - gone
+    node[entry.name] = None
+    return 1 - gone
+
+
+def _names_under(node: dict) -> int:
+    """The names a directory of peak_entries' tree holds, at any depth."""
+    count, stack = 0, [node]
+    while stack:
+        for child in stack.pop().values():
+            count += 1
+            if child is not None:
+                stack.append(child)
+    return count
 
 
 class _State:

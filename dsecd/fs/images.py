@@ -103,6 +103,16 @@ UNPACK_PREFIX = "unpack-"
 # What a flatten leaves free on the scratch dir's file system for the state
 # dir and other writers there (on one smaller than 20 GiB: 5% of it).
 SCRATCH_RESERVE = 1 << 30
+# What a flatten leaves free of the scratch dir's file system's inodes for
+# the state dir and other writers there: as many as SCRATCH_RESERVE holds at
+# ext4's default of an inode per 16 KiB (mke2fs.conf's inode_ratio); 5% of
+# them on a smaller file system.
+SCRATCH_INODE_RESERVE = SCRATCH_RESERVE // 16384
+# The fewest bytes a name takes in an EROFS layer: a 12-byte dirent and its
+# name's bytes (at least one) in an uncompressed directory, as both
+# mkfs.erofs (fs/erofs.py) and csrc/tarerofs.c write them, so a layer of B
+# bytes holds at most B // EROFS_NAME_BYTES names.
+EROFS_NAME_BYTES = 13
 # What an error of a full file system under the store or scratch dir
 # suggests to free space on it.
 FREE_SPACE = ("remove images no longer needed (`dsec image rm NAME`, then `dsec image gc`) if the image "
@@ -120,6 +130,22 @@ def _room(path: Path) -> int:
     free space less _reserve."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize - _reserve(path)
+
+
+def _inode_reserve(st: os.statvfs_result) -> int:
+    """What a flatten leaves free of the inodes of a file system (statvfs)."""
+    return min(SCRATCH_INODE_RESERVE, st.f_files // 20)
+
+
+def _inode_room(path: Path) -> tuple[int, int] | None:
+    """(inodes a flatten may still take on the file system of `path`: its
+    free ones less _inode_reserve, that reserve); None if it has no fixed
+    number of inodes (f_files 0: btrfs, a tmpfs without nr_inodes), which
+    only its bytes bound."""
+    st = os.statvfs(path)
+    if st.f_files == 0:
+        return None
+    return st.f_favail - _inode_reserve(st), _inode_reserve(st)
 
 
 class ImageStore:
@@ -741,8 +767,13 @@ class ImageStore:
         file of those below); only when that bound does not fit are the
         layers walked (flatten.measure) for what the merge would write: a
         chain of snapshots rewriting one big file holds it once per layer.
-        Called with the layers mounted, inside _flatten's handlers
-        (Cancelled, OSError)."""
+        Those are the finished tree's bytes: while it is merged, the tree
+        can hold more (files of a layer a layer above removes, new files a
+        layer writes before its whiteouts remove those below), which this
+        does not count; merge's room() stops such a flatten before the file
+        that would not fit (NoRoom). Its inodes are counted at their most
+        (_check_flatten_inodes). Called with the layers mounted, inside
+        _flatten's handlers (Cancelled, OSError)."""
         layer_dir = self.store.tmp
         shared = os.stat(self.scratch).st_dev == os.stat(layer_dir).st_dev
         tree_room = self._scratch_room()
@@ -772,6 +803,36 @@ class ImageStore:
             f"nothing written. Free space on that file system: {FREE_SPACE}",
             {"errno": "ENOSPC", "path": str(where), "need": short, "free": max(0, free)})
 
+    def _check_flatten_inodes(self, image: Image, dirs: list[str], progress: Progress | None,
+                              cancelled: threading.Event | None) -> None:
+        """Refuse (`io`, ENOSPC) a flatten whose merge would run out of
+        inodes in the scratch dir: the tree's root and the most names the
+        tree holds at once (flatten.peak_entries; more than the finished
+        tree's when a layer removes what the layers below wrote), or, if
+        more, the finished tree's and the EROFS layer's file that mkfs.erofs
+        writes next to it when the store's temp dir is on the same file
+        system. The image's size bounds the names of all its layers
+        (EROFS_NAME_BYTES), so the most at once; only when that bound does
+        not fit are the layers walked. Called as _check_flatten_room."""
+        room = _inode_room(self.scratch)
+        if room is None:
+            return
+        free, reserve = room
+        layer = int(os.stat(self.scratch).st_dev == os.stat(self.store.tmp).st_dev)
+        if 1 + image.size // EROFS_NAME_BYTES + layer <= free:
+            return
+        peak, final = flatten.peak_entries(dirs, progress, cancelled)
+        need = 1 + max(peak, final + layer)
+        if need <= free:
+            return
+        raise ImageError(
+            "io", f"flatten of {image.name!r} refused: merging its layers takes up to {need} inodes in "
+            f"{self.scratch} (one for each file, directory or other name it writes, counting those a "
+            f"layer above removes while they are still there), and {max(0, free)} are free there (keeping "
+            f"{reserve} free for other writers); nothing written. Free inodes on that file system: {FREE_SPACE}; or give the daemon's state dir a file "
+            "system with more inodes (ext4 fixes their number at mkfs, -N or -i; a tmpfs's is nr_inodes)",
+            {"errno": "ENOSPC", "path": str(self.scratch), "need_inodes": need, "free_inodes": max(0, free)})
+
     def _flatten(self, image: Image, target: str, parent: str | None, made_from: str | None, replace: bool,
                  mounted, progress: Progress | None, cancelled: threading.Event | None) -> Image:
         with self.pinning() as hold:
@@ -783,6 +844,7 @@ class ImageStore:
                 with mounted(image.layer_digests) as dirs:
                     try:
                         self._check_flatten_room(image, dirs, progress, cancelled)
+                        self._check_flatten_inodes(image, dirs, progress, cancelled)
                         flatten.merge(dirs, tree, progress, cancelled, self.max_layer_bytes, self._scratch_room)
                     except flatten.TooLarge as err:
                         raise ImageError("limit", f"flatten of {image.name!r}: {err}: the flat layer would be "

@@ -1,10 +1,10 @@
 """A flatten (fs/images.py, fs/flatten.py) checks first that its merged
 tree and the EROFS layer packed from it fit on the scratch dir's file
-system, and refuses up front, saying how much it needs and how much is
-free where, if they do not; one whose room goes meanwhile (another writer
-fills the disk) stops with ENOSPC. Either way nothing is left in the
-scratch dir or the store's temp dir. The store and scratch dir are on a
-small tmpfs of the test's own (root; needs mkfs.erofs)."""
+system, bytes and inodes, and refuses up front, saying how much it needs
+and how much is free where, if they do not; one whose room goes meanwhile
+(another writer fills the disk) stops with ENOSPC. Either way nothing is
+left in the scratch dir or the store's temp dir. The store and scratch dir
+are on a small tmpfs of the test's own (root; needs mkfs.erofs)."""
 
 from __future__ import annotations
 
@@ -25,14 +25,26 @@ pytestmark = [pytest.mark.skipif(shutil.which("mkfs.erofs") is None, reason="nee
 MiB = 1 << 20
 FS_BYTES = 64 * MiB
 FILE = 4 * MiB
+FS_INODES = 1024
 
 
 @pytest.fixture
 def small_fs(tmp_path):
     """A tmpfs of FS_BYTES on tmp_path/fs, unmounted after the test."""
+    yield from _tmpfs(tmp_path, 4096)
+
+
+@pytest.fixture
+def few_inodes(tmp_path):
+    """A tmpfs of FS_BYTES and FS_INODES inodes on tmp_path/fs, unmounted
+    after the test."""
+    yield from _tmpfs(tmp_path, FS_INODES)
+
+
+def _tmpfs(tmp_path, inodes: int):
     where = tmp_path / "fs"
     where.mkdir()
-    fd = native.upperfs_create(FS_BYTES, 4096)
+    fd = native.upperfs_create(FS_BYTES, inodes)
     try:
         native.upperfs_attach(fd, str(where))
     finally:
@@ -190,3 +202,144 @@ def test_measure_counts_what_merge_writes(tmp_path):
     measured = flatten.measure(layers)
     assert (measured.files, measured.data, measured.dirs, measured.entries) == \
         (len(inodes), sum(inodes.values()), dirs, entries)
+
+
+
+def _merge_peak(layers: list[str], dest, monkeypatch) -> int:
+    """The most names merge(layers) had under `dest` at once: counted after
+    each entry it applies (a name appears only as it applies one)."""
+    most = [0]
+    tick = flatten._State.tick
+
+    def counting(state, copied=0):
+        most[0] = max(most[0], sum(len(ds) + len(fs) for _root, ds, fs in os.walk(dest)))
+        tick(state, copied)
+
+    monkeypatch.setattr(flatten._State, "tick", counting)
+    flatten.merge(layers, dest)
+    return most[0]
+
+
+def test_peak_entries_counts_what_merge_holds_at_once(tmp_path, monkeypatch):
+    """Names a layer adds before its whiteouts remove those of the layers
+    below count at once; a file replaced, a directory merged into, or
+    hidden (opaque) before what the layer puts in it, adds none."""
+    low, mid, top = (tmp_path / n for n in ("low", "mid", "top"))
+    for d in (low, mid, top):
+        (d / "d").mkdir(parents=True)
+    for n in range(5):
+        (low / "d" / f"b{n}").write_bytes(b"x")                       # mid removes them after adding a*
+        (mid / "d" / f"a{n}").write_bytes(b"y")
+        os.mknod(mid / "d" / f"b{n}", 0o20000 | 0o600, 0)
+    (low / "o").mkdir()
+    for n in range(4):
+        (low / "o" / f"old{n}").write_bytes(b"x")                     # top's opaque o hides them first
+    (top / "o").mkdir()
+    os.setxattr(top / "o", "trusted.overlay.opaque", b"y")
+    for n in range(6):
+        (top / "o" / f"new{n}").write_bytes(b"z")
+    (top / "d").rmdir()
+    (top / "d").write_bytes(b"a file over the directory")
+    layers = [str(low), str(mid), str(top)]
+    # low: d, 5 b*, o, 4 old*; mid adds 5 a* before removing the b*; top
+    # replaces d (its a* go) and o's contents by 6 new*.
+    assert flatten.peak_entries(layers) == (11 + 5, 2 + 6)
+    assert _merge_peak(layers, tmp_path / "tree", monkeypatch) == 11 + 5
+
+
+def test_peak_entries_counts_a_layer_removing_before_it_adds_once(tmp_path, monkeypatch):
+    """A layer whose whiteout sorts before what it adds holds no more at
+    once than the layers below; the finished tree's count is measure's."""
+    low, mid, top = (tmp_path / n for n in ("low", "mid", "top"))
+    for d in (low, mid, top):
+        d.mkdir()
+    (low / "a").mkdir()
+    for n in range(5):
+        (low / "a" / f"f{n}").write_bytes(b"x")
+    os.mknod(mid / "a", 0o20000 | 0o600, 0)                           # a whiteout, before the b* added
+    for n in range(3):
+        (mid / f"b{n}").write_bytes(b"y")
+    (mid / "l").write_bytes(b"linked")
+    os.link(mid / "l", mid / "l2")
+    (top / "b0").mkdir()                                              # a directory over a file
+    (top / "b0" / "in").write_bytes(b"z")
+    layers = [str(low), str(mid), str(top)]
+    tree = tmp_path / "tree"
+    assert flatten.peak_entries(layers) == (6, 6)
+    assert _merge_peak(layers, tree, monkeypatch) == 6
+    assert sum(len(ds) + len(fs) for _root, ds, fs in os.walk(tree)) == flatten.measure(layers).entries == 6
+
+# Files a layer below writes and the one above removes, as many as it adds.
+SWAPPED = 200
+
+
+def _swapping_chain(tmp_path, fs) -> tuple[ImageStore, list[str]]:
+    """An image `app` of two layers: the bottom one's directory d holds
+    SWAPPED files b*, the top one's removes them all (whiteouts) and adds
+    as many a*, which merge writes first (it takes a directory's entries by
+    name). The finished tree has 1 + SWAPPED names; while it is merged,
+    1 + 2 * SWAPPED."""
+    low, top = tmp_path / "low", tmp_path / "top"
+    for d in (low, top):
+        (d / "d").mkdir(parents=True)
+    for n in range(SWAPPED):
+        (low / "d" / f"b{n:03}").write_bytes(b"x")
+        (top / "d" / f"a{n:03}").write_bytes(b"y")
+        os.mknod(top / "d" / f"b{n:03}", 0o20000 | 0o600, 0)         # a whiteout
+    images = ImageStore(fs / "store", fs / "scratch")
+    images.build_from_dir(str(low), "low")
+    images.build_from_dir(str(top), "app", parent="low")
+    return images, [str(low), str(top)]
+
+
+def _inodes_room(fs) -> int:
+    """The inodes a flatten may take on `fs` once it made its work dir."""
+    st = os.statvfs(fs)
+    return st.f_favail - min(1 << 16, st.f_files // 20) - 1
+
+
+def _leave_inodes(fs, left: int) -> None:
+    """Another writer: empty files on `fs` until a flatten there may take
+    only `left` inodes."""
+    (fs / "other-writer").mkdir()
+    for n in range(_inodes_room(fs) - left):
+        (fs / "other-writer" / str(n)).touch()
+    assert _inodes_room(fs) == left
+
+
+# What the swapping chain's flatten takes at most: the tree's root, d, and
+# SWAPPED b* and SWAPPED a* at once (the layer file mkfs.erofs writes on the
+# same file system comes with the finished tree, smaller).
+SWAP_NEEDS = 1 + 1 + 2 * SWAPPED
+# What the finished tree and the layer file take: the root, d, SWAPPED a*.
+FINISHED_NEEDS = 1 + 1 + SWAPPED + 1
+
+
+@pytest.mark.parametrize("left", [FINISHED_NEEDS, SWAP_NEEDS - 1], ids=["finished-tree", "one-short"])
+def test_a_flatten_past_the_free_inodes_is_refused_before_it_writes(tmp_path, few_inodes, left):
+    """The finished tree's names fit in the free inodes; the merge's, while
+    the top layer's files are written before its whiteouts remove those
+    below, do not: the merge would fail midway (with FINISHED_NEEDS left,
+    even past what stays free for other writers), or leave none."""
+    images, dirs = _swapping_chain(tmp_path, few_inodes)
+    _leave_inodes(few_inodes, left)
+    steps = []
+    with pytest.raises(ImageError) as info:
+        images.flatten("app", "flat", lambda _digests: contextlib.nullcontext(dirs), steps.append)
+    err = info.value
+    assert err.code == "io" and (err.detail or {}).get("errno") == "ENOSPC", (err, err.detail)
+    assert "merge" not in {s["step"] for s in steps}, f"the flatten started writing the merged tree: {err}"
+    assert err.detail == {"errno": "ENOSPC", "path": str(images.scratch), "need_inodes": SWAP_NEEDS,
+                          "free_inodes": left}, err.detail
+    assert f"takes up to {SWAP_NEEDS} inodes in {images.scratch}" in str(err), err
+    assert f"{left} are free there" in str(err) and "dsec image rm" in str(err), err
+    _nothing_left(images)
+
+
+def test_a_flatten_that_just_fits_in_the_free_inodes_is_done(tmp_path, few_inodes):
+    """What the check counts is what the merge takes: with that many inodes
+    free, the flatten gets through."""
+    images, dirs = _swapping_chain(tmp_path, few_inodes)
+    _leave_inodes(few_inodes, SWAP_NEEDS)
+    flat = images.flatten("app", "flat", lambda _digests: contextlib.nullcontext(dirs))
+    assert len(flat.layers) == 1 and os.listdir(images.scratch) == []
