@@ -335,8 +335,6 @@ class _ProgressBar:
             text = f"unpacking layer {p['layer']}/{p['of']} ({p['entries']} entries)"
         elif p.get("step") == "measure":
             text = f"measuring the room needed: layer {p['layer']}/{p['of']} ({p['entries']} entries)"
-        elif p.get("step") == "count":
-            text = f"counting the inodes needed: layer {p['layer']}/{p['of']} ({p['entries']} entries)"
         elif p.get("step") == "merge":
             text = (f"merging layer {p['layer']}/{p['of']}: {p['entries']} entries, "
                     f"{_human_bytes(p['bytes'])} copied")

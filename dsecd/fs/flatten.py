@@ -22,10 +22,9 @@ shows them as `trusted.overlay.*` and acts on none of them), symlinks, device
 nodes, fifos and hard links within a layer are kept. mtimes are not:
 mkfs.erofs writes every layer with timestamp 0 (fs/erofs.py).
 
-measure() walks the layers' file listings alone, top layer first, for
-what merge() would write: the room a flatten checks first. peak_entries()
-walks them bottom first, as merge() applies them, for how many names the
-tree holds at most while it is written: the inodes a flatten checks first.
+measure() walks the layers' file listings alone, as merge() applies them,
+for what it would write, at the end and at most at once: the room and the
+inodes a flatten checks first.
 
 Overlay bookkeeping the merge does not reproduce is refused (Unsupported):
 a redirect (overlayfs follows one in a lower layer, redirect_dir=follow,
@@ -112,12 +111,21 @@ class Footprint:
     data_blocks: int = 0    # their bytes in whole BLOCKs
     dirs: int = 0
     entries: int = 0        # names of all kinds, the root left out
+    # The most the tree holds at once while merge() writes it: more than
+    # the finished tree when a layer removes what the layers below wrote.
+    most_entries: int = 0
+    most_tree_bytes: int = 0
 
     def tree_bytes(self) -> int:
         """About what the merged tree takes on the scratch dir's file system:
         its files in whole blocks, a block for each directory (ext4's, xfs's
         for a small one; tmpfs takes none)."""
         return self.data_blocks + self.dirs * BLOCK
+
+    def note_most(self) -> None:
+        """The tree holds what the counts say now: keep the most."""
+        self.most_entries = max(self.most_entries, self.entries)
+        self.most_tree_bytes = max(self.most_tree_bytes, self.tree_bytes())
 
     def layer_bytes(self) -> int:
         """About the EROFS layer mkfs.erofs packs of it: every file's data in
@@ -162,156 +170,124 @@ def merge(layers: list[str], dest: Path, progress: Callable[[dict], None] | None
     state.report(force=True)
 
 
-# How measure() finds a path a layer above has: a directory the layers
-# below merge into, or one that hides them (opaque, or over a whiteout or a
-# non-directory of a layer between), or anything else (a file, a whiteout).
-_MERGED, _HIDING, _TAKEN = range(3)
-
-
 def measure(layers: list[str], progress: Callable[[dict], None] | None = None,
             cancelled: threading.Event | None = None) -> Footprint:
     """What merge(layers) would write, from the layers' metadata alone (no
-    data read, nothing written): each path as the topmost layer that has it
-    leaves it, walked top layer first, so what a layer above replaces,
-    removes or hides is neither walked nor counted. Holds each path of the
-    merged tree in memory meanwhile. Progress: {"step": "measure", "layer",
-    "of", "entries"} (the layer being walked, 1-based from the bottom as
-    merge's), at most every PROGRESS_EVERY_S; Cancelled as merge."""
-    seen: dict[str, int] = {}
+    data read, nothing written): the finished tree, and the most it holds
+    at once while it is written, names (an inode each on the scratch dir's
+    file system: a hard link's extra name takes none on ext4 or xfs but one
+    on tmpfs, which charges each link) and bytes.
+
+    The most at once is more than the finished tree when a layer removes
+    what the layers below wrote: merge writes those first, and a layer's
+    new files before its whiteouts (or a directory or file it puts over a
+    directory below) remove older ones next to them, when they sort first.
+    (merge writes no whiteout, and removes a file a layer replaces just
+    before its copy is written: a replacement adds nothing.) So this walks
+    the layers as merge applies them, bottom first, a directory's entries
+    by name and each directory's after its parent's, adding and removing
+    what merge does, and notes the counts after each entry: merge's own
+    peak. Walks every entry of every layer, what a layer above hides too;
+    holds the tree merged so far in memory meanwhile. Progress: {"step":
+    "measure", "layer", "of", "entries"} (the layer being walked, 1-based,
+    and the names of the tree so far), at most every PROGRESS_EVERY_S;
+    Cancelled as merge."""
+    tree: dict = {}                 # name -> dict (a directory) or _Leaf
     out = Footprint()
     last = 0.0
     of = len(layers)
-    for n in range(of, 0, -1):
-        if seen.get("") == _HIDING:        # an opaque root above: nothing below shows
-            break
-        top = layers[n - 1]
-        counted: set[tuple[int, int]] = set()      # (dev, ino) of a file with more names, in this layer
-        stack = [("", top)]
+    for n, top in enumerate(layers, 1):
+        if _opaque(top):
+            _drop_under(tree, out)
+        linked: dict[tuple[int, int], _Leaf] = {}     # as _apply's: a file with more names in this layer
+        stack = [(tree, top)]
         while stack:
-            rel, src_dir = stack.pop()
+            node, src_dir = stack.pop()
             with os.scandir(src_dir) as entries:
-                for entry in entries:
-                    path = os.path.join(rel, entry.name)
-                    st = entry.stat(follow_symlinks=False)
-                    is_dir = stat.S_ISDIR(st.st_mode)
-                    above = seen.get(path)
-                    if above is None:
-                        if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:     # a whiteout
-                            seen[path] = _TAKEN
-                        elif is_dir:
-                            out.entries += 1
-                            out.dirs += 1
-                            seen[path] = _HIDING if _opaque(entry.path) else _MERGED
-                            stack.append((path, entry.path))
-                        else:
-                            out.entries += 1
-                            seen[path] = _TAKEN
-                            if stat.S_ISREG(st.st_mode) and (st.st_nlink == 1 or (st.st_dev, st.st_ino) not in counted):
-                                counted.add((st.st_dev, st.st_ino))
-                                out.files += 1
-                                out.data += st.st_size
-                                out.data_blocks += -(-st.st_size // BLOCK) * BLOCK
-                    elif above == _MERGED:
-                        if is_dir:
-                            if _opaque(entry.path):
-                                seen[path] = _HIDING
-                            stack.append((path, entry.path))
-                        else:                       # the directory above replaces it and hides what is below
-                            seen[path] = _HIDING
+                for entry in sorted(entries, key=lambda e: e.name):
+                    _measure_entry(entry, node, stack, linked, out)
+                    out.note_most()
                     if cancelled is not None and cancelled.is_set():
                         raise Cancelled()
                     now = time.monotonic()
                     if progress is not None and now - last >= PROGRESS_EVERY_S:
                         last = now
                         progress({"step": "measure", "layer": n, "of": of, "entries": out.entries})
-        if _opaque(top):
-            seen[""] = _HIDING
     return out
 
 
-# peak_entries' mark of a name the tree merged so far does not have.
-_ABSENT = object()
+class _Leaf:
+    """A non-directory of measure's tree: its size, whether it is a regular
+    file (its bytes counted), and how many names it has there."""
+    __slots__ = ("size", "regular", "names")
+
+    def __init__(self, size: int, regular: bool):
+        self.size, self.regular, self.names = size, regular, 1
 
 
-def peak_entries(layers: list[str], progress: Callable[[dict], None] | None = None,
-                 cancelled: threading.Event | None = None) -> tuple[int, int]:
-    """(the most names merge(layers) has in its tree at once, the names
-    of the finished tree), the root left out, from the layers' metadata
-    alone (nothing read, nothing written): an inode each on the scratch
-    dir's file system (a hard link's extra name takes none on ext4 or xfs
-    but one on tmpfs, which charges each link: counted).
-
-    The most at once is not the finished tree's count (measure's
-    `entries`): merge writes a layer's files before a layer above removes
-    them, and a layer's new names before its whiteouts or a directory it
-    puts over one below remove older names next to them, when they sort
-    first. (merge writes no whiteout, and removes a file a layer replaces
-    just before its copy is written: a replacement adds no name.) So this
-    walks the layers as merge applies them, bottom first, a directory's
-    entries by name and each directory's after its parent's, adding and
-    removing names as merge does, and keeps the largest count on the way:
-    merge's own peak. Holds the tree merged so far as nested dicts.
-    Progress: {"step": "count", "layer", "of", "entries"} (the layer being
-    walked, 1-based; the names of the tree so far), at most every
-    PROGRESS_EVERY_S; Cancelled as merge."""
-    tree: dict = {}                # name -> dict (a directory) or None
-    names = peak = 0
-    last = 0.0
-    of = len(layers)
-    for n, top in enumerate(layers, 1):
-        if _opaque(top):
-            names -= _names_under(tree)
-            tree.clear()
-        stack = [(tree, top)]
-        while stack:
-            node, src_dir = stack.pop()
-            with os.scandir(src_dir) as entries:
-                for entry in sorted(entries, key=lambda e: e.name):
-                    names += _apply_name(entry, node, stack)
-                    peak = max(peak, names)
-                    if cancelled is not None and cancelled.is_set():
-                        raise Cancelled()
-                    now = time.monotonic()
-                    if progress is not None and now - last >= PROGRESS_EVERY_S:
-                        last = now
-                        progress({"step": "count", "layer": n, "of": of, "entries": names})
-    return peak, names
-
-
-def _apply_name(entry: os.DirEntry, node: dict, stack: list) -> int:
-    """What _apply_entry does with `entry` to its directory's names, done
-    to peak_entries' `node`; a directory pushed on `stack` as _apply does.
-    Returns the names added (less those removed)."""
+def _measure_entry(entry: os.DirEntry, node: dict, stack: list, linked: dict, out: Footprint) -> None:
+    """What _apply_entry does with `entry`, done to measure's `node` (its
+    directory) and counts `out`; a directory pushed on `stack` as _apply
+    does."""
     st = entry.stat(follow_symlinks=False)
-    below = node.get(entry.name, _ABSENT)
-    gone = 0 if below is _ABSENT else 1 + (_names_under(below) if below is not None else 0)
+    below = node.get(entry.name)
+    if stat.S_ISDIR(st.st_mode) and isinstance(below, dict):     # merged into
+        if _opaque(entry.path):
+            _drop_under(below, out)
+        stack.append((below, entry.path))
+        return
+    if below is not None:                   # replaced or removed, before anything is written
+        _drop(below, out)
+        del node[entry.name]
     if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:        # a whiteout
-        node.pop(entry.name, None)
-        return -gone
+        return
+    out.entries += 1
     if stat.S_ISDIR(st.st_mode):
-        if isinstance(below, dict):             # merged into: what it holds stays, unless opaque
-            gone = 0
-            if _opaque(entry.path):
-                gone = _names_under(below)
-                below.clear()
-            stack.append((below, entry.path))
-            return -gone
+        out.dirs += 1
         node[entry.name] = {}
         stack.append((node[entry.name], entry.path))
-        return 1 - gone
-    node[entry.name] = None
-    return 1 - gone
+        return
+    key = (st.st_dev, st.st_ino)
+    if st.st_nlink > 1 and key in linked:   # another name of a file this layer wrote
+        leaf = node[entry.name] = linked[key]
+        leaf.names += 1
+        return
+    leaf = node[entry.name] = _Leaf(st.st_size, stat.S_ISREG(st.st_mode))
+    if leaf.regular:
+        out.files += 1
+        out.data += st.st_size
+        out.data_blocks += _blocks(st.st_size)
+    if st.st_nlink > 1:
+        linked[key] = leaf
 
 
-def _names_under(node: dict) -> int:
-    """The names a directory of peak_entries' tree holds, at any depth."""
-    count, stack = 0, [node]
+def _blocks(size: int) -> int:
+    return -(-size // BLOCK) * BLOCK
+
+
+def _drop(value, out: Footprint) -> None:
+    """A name of measure's tree removed, and what it holds: off the counts
+    (a file's bytes once its last name goes)."""
+    stack = [value]
     while stack:
-        for child in stack.pop().values():
-            count += 1
-            if child is not None:
-                stack.append(child)
-    return count
+        value = stack.pop()
+        out.entries -= 1
+        if isinstance(value, dict):
+            out.dirs -= 1
+            stack.extend(value.values())
+            continue
+        value.names -= 1
+        if value.names == 0 and value.regular:
+            out.files -= 1
+            out.data -= value.size
+            out.data_blocks -= _blocks(value.size)
+
+
+def _drop_under(node: dict, out: Footprint) -> None:
+    """What the directory `node` of measure's tree holds, removed."""
+    for value in node.values():
+        _drop(value, out)
+    node.clear()
 
 
 class _State:

@@ -762,75 +762,75 @@ class ImageStore:
         """Refuse (`io`, ENOSPC) a flatten whose merged tree and flat layer
         would not fit: the tree in the scratch dir, and the EROFS layer
         mkfs.erofs writes from it in the store's temp dir while the tree is
-        still there (one file system by default). The sum of the image's
-        layers' sizes bounds each (as if no layer replaced or removed a
-        file of those below); only when that bound does not fit are the
-        layers walked (flatten.measure) for what the merge would write: a
-        chain of snapshots rewriting one big file holds it once per layer.
-        Those are the finished tree's bytes: while it is merged, the tree
-        can hold more (files of a layer a layer above removes, new files a
-        layer writes before its whiteouts remove those below), which this
-        does not count; merge's room() stops such a flatten before the file
-        that would not fit (NoRoom). Its inodes are counted at their most
-        (_check_flatten_inodes). Called with the layers mounted, inside
-        _flatten's handlers (Cancelled, OSError)."""
+        still there (one file system by default); in bytes (_flatten_bytes)
+        and in inodes (_flatten_inodes). The tree counts at its most while
+        it is merged, more than once done when a layer removes what the
+        layers below wrote (flatten.measure). The image's layers' sizes
+        bound all of it (as if no layer replaced or removed a file of those
+        below); only when that bound does not fit are the layers walked
+        (flatten.measure) for what the merge would write: a chain of
+        snapshots rewriting one big file holds it once per layer. Called
+        with the layers mounted, inside _flatten's handlers (Cancelled,
+        OSError)."""
+        names = image.size // EROFS_NAME_BYTES
+        if self._flatten_bytes(image, image.size, image.size, image.size) is None and \
+                self._flatten_inodes(image, names, names) is None:
+            return
+        need = flatten.measure(dirs, progress, cancelled)
+        for short in (self._flatten_bytes(image, need.most_tree_bytes, need.tree_bytes(), need.layer_bytes()),
+                      self._flatten_inodes(image, need.most_entries, need.entries)):
+            if short is not None:
+                raise short
+
+    def _flatten_bytes(self, image: Image, most: int, tree: int, layer: int) -> ImageError | None:
+        """The error refusing a flatten whose merged tree (`most` bytes at
+        most while it is written, `tree` once done) and EROFS layer (`layer`
+        bytes) do not fit in the bytes free (_room); None if they do."""
         layer_dir = self.store.tmp
         shared = os.stat(self.scratch).st_dev == os.stat(layer_dir).st_dev
         tree_room = self._scratch_room()
         layer_room = tree_room if shared else _room(layer_dir)
-
-        def fits(tree: int, layer: int) -> bool:
-            return tree + layer <= tree_room if shared else tree <= tree_room and layer <= layer_room
-
-        if fits(image.size, image.size):
-            return
-        need = flatten.measure(dirs, progress, cancelled)
-        tree, layer = need.tree_bytes(), need.layer_bytes()
-        if fits(tree, layer):
-            return
-        if shared:
+        at_most = f"{most} bytes at most while it is written, {tree} once done: files a layer above " \
+                  "removes are there until then" if most > tree else f"{tree} bytes"
+        if shared and tree + layer > tree_room:
             where, short, free = self.scratch, tree + layer, tree_room
             what = (f"the merged tree ({tree} bytes) and the EROFS layer packed from it ({layer} bytes, "
                     f"in {layer_dir}, the same file system)")
-        elif tree > tree_room:
-            where, short, free, what = self.scratch, tree, tree_room, f"the merged tree ({tree} bytes)"
-        else:
+        elif most > tree_room:
+            where, short, free, what = self.scratch, most, tree_room, f"the merged tree ({at_most})"
+        elif not shared and layer > layer_room:
             where, short, free = layer_dir, layer, layer_room
             what = f"the EROFS layer packed from the merged tree ({layer} bytes)"
-        raise ImageError(
+        else:
+            return None
+        return ImageError(
             "io", f"flatten of {image.name!r} refused: it needs about {short} bytes in {where} for {what}, "
             f"and {max(0, free)} are free there (keeping {_reserve(where)} bytes free for other writers); "
             f"nothing written. Free space on that file system: {FREE_SPACE}",
             {"errno": "ENOSPC", "path": str(where), "need": short, "free": max(0, free)})
 
-    def _check_flatten_inodes(self, image: Image, dirs: list[str], progress: Progress | None,
-                              cancelled: threading.Event | None) -> None:
-        """Refuse (`io`, ENOSPC) a flatten whose merge would run out of
-        inodes in the scratch dir: the tree's root and the most names the
-        tree holds at once (flatten.peak_entries; more than the finished
-        tree's when a layer removes what the layers below wrote), or, if
-        more, the finished tree's and the EROFS layer's file that mkfs.erofs
-        writes next to it when the store's temp dir is on the same file
-        system. The image's size bounds the names of all its layers
-        (EROFS_NAME_BYTES), so the most at once; only when that bound does
-        not fit are the layers walked. Called as _check_flatten_room."""
+    def _flatten_inodes(self, image: Image, most: int, final: int) -> ImageError | None:
+        """The error refusing a flatten whose merge would run out of inodes
+        in the scratch dir (_inode_room); None if it would not. It takes
+        the tree's root and its names, `most` at most while it is written,
+        or, if more, `final` once done and the EROFS layer's file that
+        mkfs.erofs writes next to them when the store's temp dir is on the
+        same file system."""
         room = _inode_room(self.scratch)
         if room is None:
-            return
+            return None
         free, reserve = room
         layer = int(os.stat(self.scratch).st_dev == os.stat(self.store.tmp).st_dev)
-        if 1 + image.size // EROFS_NAME_BYTES + layer <= free:
-            return
-        peak, final = flatten.peak_entries(dirs, progress, cancelled)
-        need = 1 + max(peak, final + layer)
+        need = 1 + max(most, final + layer)
         if need <= free:
-            return
-        raise ImageError(
+            return None
+        return ImageError(
             "io", f"flatten of {image.name!r} refused: merging its layers takes up to {need} inodes in "
             f"{self.scratch} (one for each file, directory or other name it writes, counting those a "
             f"layer above removes while they are still there), and {max(0, free)} are free there (keeping "
-            f"{reserve} free for other writers); nothing written. Free inodes on that file system: {FREE_SPACE}; or give the daemon's state dir a file "
-            "system with more inodes (ext4 fixes their number at mkfs, -N or -i; a tmpfs's is nr_inodes)",
+            f"{reserve} free for other writers); nothing written. Free inodes on that file system: "
+            f"{FREE_SPACE}; or give the daemon's state dir a file system with more inodes (ext4 fixes their "
+            "number at mkfs, -N or -i; a tmpfs's is nr_inodes)",
             {"errno": "ENOSPC", "path": str(self.scratch), "need_inodes": need, "free_inodes": max(0, free)})
 
     def _flatten(self, image: Image, target: str, parent: str | None, made_from: str | None, replace: bool,
@@ -844,7 +844,6 @@ class ImageStore:
                 with mounted(image.layer_digests) as dirs:
                     try:
                         self._check_flatten_room(image, dirs, progress, cancelled)
-                        self._check_flatten_inodes(image, dirs, progress, cancelled)
                         flatten.merge(dirs, tree, progress, cancelled, self.max_layer_bytes, self._scratch_room)
                     except flatten.TooLarge as err:
                         raise ImageError("limit", f"flatten of {image.name!r}: {err}: the flat layer would be "

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 
 import pytest
 
@@ -55,16 +56,19 @@ def _tmpfs(tmp_path, inodes: int):
         native.umount(str(where), detach=True)
 
 
-def _chain(tmp_path, fs, *layers: dict[str, int]) -> tuple[ImageStore, list[str]]:
-    """An image `app` of `layers` (bottom first), stored on `fs`, and their
-    trees as their mounts show them."""
+def _chain(tmp_path, fs, *layers: dict[str, int | None]) -> tuple[ImageStore, list[str]]:
+    """An image `app` of `layers` (bottom first; a file of size None: a
+    whiteout), stored on `fs`, and their trees as their mounts show them."""
     images = ImageStore(fs / "store", fs / "scratch")
     dirs, parent = [], None
     for n, files in enumerate(layers):
         d = tmp_path / f"l{n}"
         d.mkdir()
         for rel, size in files.items():
-            (d / rel).write_bytes(os.urandom(size))
+            if size is None:
+                os.mknod(d / rel, 0o20000 | 0o600, 0)
+            else:
+                (d / rel).write_bytes(os.urandom(size))
         dirs.append(str(d))
         images.build_from_dir(dirs[-1], "app" if n == len(layers) - 1 else f"l{n}", parent=parent)
         parent = f"l{n}"
@@ -141,6 +145,22 @@ def test_files_a_layer_above_replaces_count_once_in_the_room_needed(tmp_path, sm
     assert len(flat.layers) == 1 and os.listdir(images.scratch) == []
 
 
+def test_a_flatten_whose_tree_holds_more_while_merged_is_refused_before_it_writes(tmp_path, small_fs):
+    """The top layer writes a before its whiteouts remove b1 and b2: the
+    finished tree and its layer fit, the tree as it is merged does not."""
+    images, dirs = _chain(tmp_path, small_fs, {"b1": FILE, "b2": FILE}, {"a": FILE, "b1": None, "b2": None})
+    _leave_free(small_fs, "other-writer", _reserve(small_fs) + 5 * FILE // 2)
+    steps = []
+    with pytest.raises(ImageError) as info:
+        images.flatten("app", "flat", lambda _digests: contextlib.nullcontext(dirs), steps.append)
+    err = info.value
+    assert err.code == "io" and (err.detail or {}).get("errno") == "ENOSPC", (err, err.detail)
+    assert "merge" not in {s["step"] for s in steps}, f"the flatten started writing the merged tree: {err}"
+    assert err.detail["path"] == str(images.scratch) and err.detail["need"] == 3 * FILE, err.detail
+    assert f"{3 * FILE} bytes at most while it is written, {FILE} once done" in str(err), err
+    _nothing_left(images)
+
+
 @pytest.mark.parametrize("step", ["merge", "mkfs.erofs"])
 def test_room_gone_after_the_check_stops_the_flatten_and_leaves_nothing(tmp_path, small_fs, step):
     """The check passes, then another writer takes the room: while the tree
@@ -205,69 +225,92 @@ def test_measure_counts_what_merge_writes(tmp_path):
 
 
 
-def _merge_peak(layers: list[str], dest, monkeypatch) -> int:
-    """The most names merge(layers) had under `dest` at once: counted after
-    each entry it applies (a name appears only as it applies one)."""
-    most = [0]
+def _tree_counts(top) -> tuple[int, int]:
+    """(names under `top`, its bytes as Footprint.tree_bytes counts them:
+    each file's in whole blocks once, a block for each directory)."""
+    names, blocks, dirs = 0, {}, 0
+    for root, ds, fs in os.walk(top):
+        names += len(ds) + len(fs)
+        dirs += len(ds)
+        for name in fs:
+            st = os.lstat(os.path.join(root, name))
+            if stat.S_ISREG(st.st_mode):
+                blocks[st.st_ino] = -(-st.st_size // flatten.BLOCK) * flatten.BLOCK
+    return names, sum(blocks.values()) + dirs * flatten.BLOCK
+
+
+def _merge_most(layers: list[str], dest, monkeypatch) -> tuple[int, int]:
+    """The most names and bytes (_tree_counts) merge(layers) had under
+    `dest` at once: counted after each entry it applies (a name, a file's
+    bytes, appear only as it applies one)."""
+    most = [0, 0]
     tick = flatten._State.tick
 
     def counting(state, copied=0):
-        most[0] = max(most[0], sum(len(ds) + len(fs) for _root, ds, fs in os.walk(dest)))
+        most[:] = map(max, most, _tree_counts(dest))
         tick(state, copied)
 
     monkeypatch.setattr(flatten._State, "tick", counting)
     flatten.merge(layers, dest)
-    return most[0]
+    return most[0], most[1]
 
 
-def test_peak_entries_counts_what_merge_holds_at_once(tmp_path, monkeypatch):
-    """Names a layer adds before its whiteouts remove those of the layers
+def test_measure_counts_what_merge_holds_at_once(tmp_path, monkeypatch):
+    """Files a layer adds before its whiteouts remove those of the layers
     below count at once; a file replaced, a directory merged into, or
     hidden (opaque) before what the layer puts in it, adds none."""
     low, mid, top = (tmp_path / n for n in ("low", "mid", "top"))
     for d in (low, mid, top):
         (d / "d").mkdir(parents=True)
     for n in range(5):
-        (low / "d" / f"b{n}").write_bytes(b"x")                       # mid removes them after adding a*
-        (mid / "d" / f"a{n}").write_bytes(b"y")
+        (low / "d" / f"b{n}").write_bytes(b"x" * 5000)                # mid removes them after adding a*
+        (mid / "d" / f"a{n}").write_bytes(b"y" * 100)
         os.mknod(mid / "d" / f"b{n}", 0o20000 | 0o600, 0)
     (low / "o").mkdir()
     for n in range(4):
-        (low / "o" / f"old{n}").write_bytes(b"x")                     # top's opaque o hides them first
+        (low / "o" / f"old{n}").write_bytes(b"x" * 3000)              # top's opaque o hides them first
     (top / "o").mkdir()
     os.setxattr(top / "o", "trusted.overlay.opaque", b"y")
     for n in range(6):
-        (top / "o" / f"new{n}").write_bytes(b"z")
+        (top / "o" / f"new{n}").write_bytes(b"z" * 9000)
     (top / "d").rmdir()
     (top / "d").write_bytes(b"a file over the directory")
     layers = [str(low), str(mid), str(top)]
+    tree = tmp_path / "tree"
     # low: d, 5 b*, o, 4 old*; mid adds 5 a* before removing the b*; top
     # replaces d (its a* go) and o's contents by 6 new*.
-    assert flatten.peak_entries(layers) == (11 + 5, 2 + 6)
-    assert _merge_peak(layers, tmp_path / "tree", monkeypatch) == 11 + 5
+    measured = flatten.measure(layers)
+    assert (measured.most_entries, measured.entries) == (11 + 5, 2 + 6)
+    assert _merge_most(layers, tree, monkeypatch) == (measured.most_entries, measured.most_tree_bytes)
+    assert _tree_counts(tree) == (measured.entries, measured.tree_bytes())
+    assert measured.most_tree_bytes > measured.tree_bytes()
 
 
-def test_peak_entries_counts_a_layer_removing_before_it_adds_once(tmp_path, monkeypatch):
+def test_measure_counts_a_layer_removing_before_it_adds_once(tmp_path, monkeypatch):
     """A layer whose whiteout sorts before what it adds holds no more at
-    once than the layers below; the finished tree's count is measure's."""
+    once than the layers below; hard links count a file's bytes once."""
     low, mid, top = (tmp_path / n for n in ("low", "mid", "top"))
     for d in (low, mid, top):
         d.mkdir()
     (low / "a").mkdir()
     for n in range(5):
-        (low / "a" / f"f{n}").write_bytes(b"x")
+        (low / "a" / f"f{n}").write_bytes(b"x" * 5000)
     os.mknod(mid / "a", 0o20000 | 0o600, 0)                           # a whiteout, before the b* added
     for n in range(3):
-        (mid / f"b{n}").write_bytes(b"y")
-    (mid / "l").write_bytes(b"linked")
+        (mid / f"b{n}").write_bytes(b"y" * 3000)
+    (mid / "l").write_bytes(b"linked" * 1000)
     os.link(mid / "l", mid / "l2")
     (top / "b0").mkdir()                                              # a directory over a file
     (top / "b0" / "in").write_bytes(b"z")
+    (top / "l").write_bytes(b"l2 keeps the file")                     # a name of a linked file replaced
     layers = [str(low), str(mid), str(top)]
     tree = tmp_path / "tree"
-    assert flatten.peak_entries(layers) == (6, 6)
-    assert _merge_peak(layers, tree, monkeypatch) == 6
-    assert sum(len(ds) + len(fs) for _root, ds, fs in os.walk(tree)) == flatten.measure(layers).entries == 6
+    measured = flatten.measure(layers)
+    assert (measured.most_entries, measured.entries) == (6, 6)
+    assert _merge_most(layers, tree, monkeypatch) == (measured.most_entries, measured.most_tree_bytes)
+    assert _tree_counts(tree) == (measured.entries, measured.tree_bytes())
+    assert measured.most_tree_bytes == flatten.BLOCK + 5 * 2 * flatten.BLOCK         # low's a and f*
+
 
 # Files a layer below writes and the one above removes, as many as it adds.
 SWAPPED = 200
