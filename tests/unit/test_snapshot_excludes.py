@@ -108,11 +108,12 @@ def test_a_failing_progress_report_kills_mkfs_and_removes_its_layer(tmp_path, mo
 def test_a_long_mkfs_tells_how_much_of_the_layer_it_has_written(tmp_path, monkeypatch):
     """While mkfs.erofs runs, `written` hears the size of the layer so far:
     a snapshot of gigabytes shows how far its pack has come. (The fake
-    mkfs.erofs ends once it has been heard, or fails after 30 s.)"""
+    mkfs.erofs runs the real one once it has been heard, so the build ends
+    with an image its uuid can be stamped in, or fails after 30 s.)"""
     flag = tmp_path / "heard"
     fake = tmp_path / "mkfs.erofs"
     fake.write_text(f'#!/bin/sh\nhead -c 5000 /dev/zero > "$5"\nn=0\nwhile [ ! -e {flag} ]; do\n'
-                    f'  n=$((n+1)); [ $n -gt 600 ] && exit 1; sleep 0.05\ndone\n')
+                    f'  n=$((n+1)); [ $n -gt 600 ] && exit 1; sleep 0.05\ndone\nexec mkfs.erofs "$@"\n')
     fake.chmod(0o755)
     monkeypatch.setattr(erofs, "MKFS", str(fake))
     heard = []
