@@ -176,8 +176,11 @@ enum {
  * 10: M_TAR sends xattrs of any size, and a copied-up file's user.* ones
  * from the image (what the host unpacks is the same as before).
  * 11: a copy out (tar_get_main) gives an mtime's fraction in a pax record
- * (an older agent's tar has whole seconds; the host passes either on). */
-#define AGENT_VERSION 11
+ * (an older agent's tar has whole seconds; the host passes either on).
+ * 12: M_TAR finds a renamed file's image inode in an image of several
+ * layers, by the uuid in its origin handle (what the host unpacks is the
+ * same as before). */
+#define AGENT_VERSION 12
 #define MAX_LIST 100000
 
 static int chan = -1;   /* the virtio-serial port */
@@ -185,6 +188,7 @@ static int rootfd = -1; /* O_PATH of the sandbox root, for openat2 */
 static int upperfd = -1; /* the overlay's upper dir (out of the sandbox's view after the switch), for M_TAR */
 static int layerfds[64];  /* the image's layers, bottom first (out of view too), for M_TAR: tar_origin_xattrs */
 static int nlayerfds;
+static unsigned char layer_uuids[64][16]; /* each layer's EROFS uuid (zeros: none, or unreadable) */
 /* The cgroup every process the agent starts joins (all the guest's processes
  * but the agent), in a cgroup2 mount of the initramfs (out of the sandbox's
  * view after the switch): its cgroup.procs, cgroup.freeze and cgroup.events,
@@ -3137,18 +3141,21 @@ static void tar_xattrs(int fd, struct buf *pax)
 /* The user.* xattrs of the image's file or directory that `rel` of the
  * writable layer was copied up from, as pax records. The guest's upper is
  * a tmpfs, which in this kernel (before 6.6) holds no user.* xattrs:
- * overlayfs drops them at the copy-up (a chmod, a write, a touch of a file
- * of the image) where a container's upper keeps them, and nothing in the
- * guest can set, change or remove one. So the image's are still the
- * file's own, and its snapshot's layer gets them as a container's would.
- * Copied up, not made anew: overlayfs marks a copy-up with
- * trusted.overlay.origin, the lower inode's file handle (EROFS's: its
- * 32-bit inode number, type FILEID_INO32_GEN). The file the path names in
- * the topmost layer holding it, if it is that inode; else (renamed since)
- * in an image of one layer the inode the handle opens there. Every layer's
- * EROFS has the same (null) uuid, so with several the handle does not say
- * which layer: a renamed file of such an image gets none, rather than
- * those of another layer's inode of the same number. */
+ * overlayfs drops them at the copy-up (a chmod, a write, a touch, a rename
+ * of a file of the image) where a container's upper keeps them, and
+ * nothing in the guest can set, change or remove one. So the image's are
+ * still the file's own, and its snapshot's layer gets them as a
+ * container's would. Copied up, not made anew: overlayfs marks a copy-up
+ * with trusted.overlay.origin, the lower inode's file handle (EROFS's: its
+ * 32-bit inode number, type FILEID_INO32_GEN) and the uuid of its file
+ * system. Layers built by the daemon each have a uuid of their own (made
+ * of their content, dsecd/fs/erofs.py stamp_uuid), so the uuid names the
+ * layer and the handle its inode, wherever the file was renamed to. Layers
+ * built before that, and pulled ones (csrc/tarerofs.c, which keep no user.*
+ * xattrs), share the null uuid: among several of those the handle does not
+ * say which layer, and the file the path names in the topmost of them
+ * holding it is taken if it is that inode; a renamed file then gets none,
+ * rather than those of another layer's inode of the same number. */
 static void tar_origin_xattrs(int fd, const char *rel, mode_t type, struct buf *pax)
 {
     /* struct ovl_fb: version, magic 0xfb, len, flags, type, uuid[16], fid */
@@ -3158,27 +3165,26 @@ static void tar_origin_xattrs(int fd, const char *rel, mode_t type, struct buf *
         uint64_t flags, mode, resolve;
     } how = {.flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, .resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS};
     uint32_t ino;
-    int lfd = -1;
+    int lfd = -1, layers[64], nlayers = 0;
     struct stat lst;
 
     if (n != 21 + 8 || fh[1] != 0xfb || fh[2] != n || fh[4] != 1 /* FILEID_INO32_GEN: ino, generation */)
         return;
     memcpy(&ino, fh + 21, sizeof(ino));
-    for (int i = nlayerfds - 1; i >= 0 && lfd < 0; i--)
-        lfd = (int)syscall(__NR_openat2, layerfds[i], rel, &how, sizeof(how));
-    if (lfd >= 0 && (fstat(lfd, &lst) < 0 || (uint32_t)lst.st_ino != ino)) {
-        close(lfd);
-        lfd = -1;
-    }
-    if (lfd < 0 && nlayerfds == 1) {
+    for (int i = nlayerfds - 1; i >= 0; i--) /* top first */
+        if (!memcmp(layer_uuids[i], fh + 5, 16))
+            layers[nlayers++] = i;
+    if (nlayers == 1) {
         struct {
             struct file_handle h;
             unsigned char fid[8];
         } handle = {.h = {.handle_bytes = 8, .handle_type = 1}};
 
         memcpy(handle.h.f_handle, fh + 21, 8);
-        lfd = open_by_handle_at(layerfds[0], &handle.h, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+        lfd = open_by_handle_at(layerfds[layers[0]], &handle.h, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     }
+    for (int i = 0; i < nlayers && nlayers > 1 && lfd < 0; i++)
+        lfd = (int)syscall(__NR_openat2, layerfds[layers[i]], rel, &how, sizeof(how));
     if (lfd < 0)
         return;
     if (fstat(lfd, &lst) == 0 && (uint32_t)lst.st_ino == ino && (lst.st_mode & S_IFMT) == type) {
@@ -4528,6 +4534,27 @@ static void make_cgroup(void)
     }
 }
 
+/* The EROFS uuid of the layer on `dev` (16 bytes at 48 into the superblock,
+ * which is at byte 1024), which overlayfs puts in a copied-up file's origin
+ * handle: tar_origin_xattrs. Unreadable, it stays null, as a layer built
+ * without one: a renamed file of it may then go without its user.* xattrs,
+ * which is no reason not to boot. (This kernel has no FS_IOC_GETFSUUID.) */
+static void read_layer_uuid(const char *dev, unsigned char uuid[16])
+{
+    int fd = open(dev, O_RDONLY | O_CLOEXEC);
+    ssize_t n = fd < 0 ? -1 : pread(fd, uuid, 16, 1024 + 48);
+
+    if (n != 16) {
+        if (n >= 0)
+            errno = EIO; /* the device ends inside its superblock */
+        say("read the uuid of layer %s: %s; its renamed files lose their user.* xattrs in a snapshot", dev,
+            strerror(errno));
+        memset(uuid, 0, 16);
+    }
+    if (fd >= 0)
+        close(fd);
+}
+
 static void mount_root(void)
 {
     int nlayers = (int)param_u64("dsec.layers", 0);
@@ -4561,6 +4588,7 @@ static void mount_root(void)
         layerfds[i] = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         if (layerfds[i] < 0)
             die(dir);
+        read_layer_uuid(dev, layer_uuids[i]);
         nlayerfds = i + 1;
         /* overlay's lowerdir: top first, so layer N-1 leads */
         char tmpl[4096];

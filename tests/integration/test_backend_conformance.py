@@ -618,6 +618,51 @@ def test_a_snapshot_keeps_the_user_xattrs_of_image_files_the_sandbox_changed(box
                    "written": {"user.note": b"w" * 1000}, "moved": {"user.note": b"r"}, "replaced": {}}, got
 
 
+def test_a_snapshot_keeps_the_user_xattrs_of_files_renamed_from_any_layer(box, daemon, busybox_rootfs,
+                                                                          tmp_path):
+    """A file renamed in the sandbox keeps its user.* xattrs whichever layer
+    of a several-layer image it came from. In a microVM the copied-up file
+    names its image inode only by a file handle, and every layer's EROFS had
+    the same (null) uuid: with two layers the handle did not say which, and
+    the snapshot's layer had the renamed files without their xattrs."""
+    c, _, backend, _ = box
+    root, top = tmp_path / "root", tmp_path / "top"
+    shutil.copytree(busybox_rootfs, root, symlinks=True)
+    for tree, files in ((root, ("low", "low-kept", "up")), (top, ("up",))):
+        (tree / "x").mkdir(parents=True)
+        for name in files:
+            (tree / "x" / name).write_bytes(b"data\n")
+            os.setxattr(tree / "x" / name, "user.note", f"{name} in {tree.name}".encode())
+    base, image, snap = (f"conformance-ux2-{what}-{backend}" for what in ("base", "image", "snap"))
+    c.import_image(str(root), base)
+    names = [base]
+    try:
+        c.build_image(str(top), image, parent=base)         # the second layer: its own "up" over the first's
+        names.append(image)
+        sb = c.create(image, backend=backend, memory="256M", net="none", disk="64M")
+        try:
+            assert len(sb.inspect()["layers"]) == 2
+            r = sb.exec(["sh", "-c", "cd /x && mv low low-moved && mv up up-moved && chmod 600 low-kept"])
+            assert r.exit_code == 0, r
+            layer = sb.snapshot(snap)["layers"][-1]["digest"]
+            names.append(snap)
+        finally:
+            sb.destroy(force=True)
+        mnt = tmp_path / "mnt"
+        mnt.mkdir()
+        native.mount_erofs(str(daemon.state / "store" / "blobs" / "sha256" / layer.split(":", 1)[1]), str(mnt))
+        try:
+            got = {p.name: {k: os.getxattr(p, k) for k in os.listxattr(p) if k.startswith("user.")}
+                   for p in sorted((mnt / "x").iterdir()) if not p.is_char_device()}
+        finally:
+            native.umount(str(mnt))
+    finally:
+        for name in reversed(names):
+            c.request("image_rm", name=name)
+    assert got == {"low-kept": {"user.note": b"low-kept in root"}, "low-moved": {"user.note": b"low in root"},
+                   "up-moved": {"user.note": b"up in top"}}, got
+
+
 def test_lease_renewed_then_expired(box):
     c, _, backend, _ = box
     sb = c.create("busybox", backend=backend, memory="256M", net="none", disk="64M", lease=3)
