@@ -4,11 +4,12 @@ after a lost connection takes it up where its client's output stopped
 
 The exec runs under a KeyedStream in place of its request's context: its
 output frames go to the request now attached (the first one, then each one
-sent again with the key), and the last TAIL_BYTES of each of stdout and
-stderr stay here. A request sent again says how many bytes of each it got
-(`stream_from`); it is sent the rest of the tail from there, then what the
-exec writes next. What its client got before the tail began is answered
-`{"fd": n, "lost": bytes}` (the SDK counts it in ExecResult.lost_output).
+sent again with the key), and the last TAIL_BYTES or so of them stay here,
+stdout's and stderr's in the order they were sent. A request sent again
+says how many bytes of each it got (`stream_from`); it is sent the rest of
+the tail from there, in that order, then what the exec writes next. What
+its client got before the tail began is answered `{"fd": n, "lost":
+bytes}` (the SDK counts it in ExecResult.lost_output).
 While no request is attached (its connection lost, the one sent again not
 come yet) the exec's output waits: the exec blocks on a full pipe rather
 than write past the tail, until a request comes or the key's orphan time
@@ -18,15 +19,14 @@ ends it.
 from __future__ import annotations
 
 import asyncio
+import collections
 
 from ..errors import BadRequest
 
-# Bytes of each of stdout and stderr kept for a request sent again: what the
-# first connection may have had in flight (its socket buffers, an ssh
-# link's window) when it was lost, with room to spare.
+# Bytes of output kept for a request sent again (whole frames: up to one
+# more): what the first connection may have had in flight when it was lost
+# (its socket buffers, an ssh channel's 2 MiB window), with room to spare.
 TAIL_BYTES = 4 << 20
-# Largest data frame of a replay (the exec's own frames are a pipe read each).
-REPLAY_CHUNK = 256 << 10
 FDS = (1, 2)
 
 
@@ -47,8 +47,11 @@ class KeyedStream:
 
     def __init__(self, ctx):
         self._ctx = ctx                 # the request its frames go to; None while none is attached
-        self._tails = {fd: bytearray() for fd in FDS}
-        self._starts = dict.fromkeys(FDS, 0)     # the offset of each tail's first byte
+        # The frames sent, oldest first: (fd, the offset of its first byte in its fd's output, data).
+        self._tail: collections.deque[tuple[int, int, bytes]] = collections.deque()
+        self._kept = 0
+        self._ends = dict.fromkeys(FDS, 0)       # bytes of each fd sent
+        self._starts = dict.fromkeys(FDS, 0)     # bytes of each fd no longer kept
         self._attached = asyncio.Event()
         self._attached.set()
         # Frames go out in order: a replay and the exec's next frames do not interleave.
@@ -58,11 +61,11 @@ class KeyedStream:
 
     @property
     def kept_bytes(self) -> int:
-        return sum(len(t) for t in self._tails.values())
+        return self._kept
 
     def ends(self) -> list[int]:
         """The bytes of stdout and stderr sent so far."""
-        return [self._starts[fd] + len(self._tails[fd]) for fd in FDS]
+        return [self._ends[fd] for fd in FDS]
 
     async def emit(self, payload: dict) -> None:
         while True:
@@ -71,19 +74,19 @@ class KeyedStream:
                 if self._ctx is None:
                     continue
                 fd = payload.get("fd")
-                if fd in self._tails and payload.get("data"):
+                if fd in self._ends and payload.get("data"):
                     self._keep(fd, payload["data"])
                 await self._ctx.emit(payload)
                 return
 
     def _keep(self, fd: int, data: bytes) -> None:
-        tail = self._tails[fd]
-        tail += data
-        # Trimmed once it is twice the bound: one copy per TAIL_BYTES written.
-        if len(tail) > 2 * TAIL_BYTES:
-            cut = len(tail) - TAIL_BYTES
-            del tail[:cut]
-            self._starts[fd] += cut
+        self._tail.append((fd, self._ends[fd], data))
+        self._ends[fd] += len(data)
+        self._kept += len(data)
+        while self._kept - len(self._tail[0][2]) >= TAIL_BYTES:
+            old_fd, at, old = self._tail.popleft()
+            self._kept -= len(old)
+            self._starts[old_fd] = at + len(old)
 
     def register_exec(self, io) -> None:
         self._io = io
@@ -115,20 +118,20 @@ class KeyedStream:
         async with self._lock:
             self._unregister()
             self._ctx = ctx
-            for fd, got in zip(FDS, stream_from or (0, 0), strict=True):
-                await self._replay(ctx, fd, got)
+            await self._replay(ctx, dict(zip(FDS, stream_from or (0, 0), strict=True)))
             if self._io is not None:
                 ctx.register_exec(self._io)
                 self._registered = ctx
             self._attached.set()
 
-    async def _replay(self, ctx, fd: int, got: int) -> None:
-        start, tail = self._starts[fd], self._tails[fd]
-        if got < start:
-            await ctx.emit({"fd": fd, "lost": start - got})
-            got = start
-        for at in range(got - start, len(tail), REPLAY_CHUNK):
-            await ctx.emit({"fd": fd, "data": bytes(tail[at:at + REPLAY_CHUNK])})
+    async def _replay(self, ctx, got: dict[int, int]) -> None:
+        """Send `ctx` the output after `got` (bytes per fd), frames in the order they were first sent."""
+        for fd in FDS:
+            if got[fd] < self._starts[fd]:
+                await ctx.emit({"fd": fd, "lost": self._starts[fd] - got[fd]})
+        for fd, at, data in list(self._tail):
+            if at + len(data) > got[fd]:
+                await ctx.emit({"fd": fd, "data": data[max(0, got[fd] - at):]})
 
     def detach(self, ctx) -> None:
         """Request `ctx`'s connection went: the output waits for the next."""

@@ -164,8 +164,28 @@ def test_what_fell_out_of_the_tail_is_told_as_lost(monkeypatch):
         return again
 
     again = asyncio.run(go())
-    # 24 bytes written; the tail is trimmed to 8 once it passes 16.
+    # 24 bytes written; whole frames are kept while the rest is at least 8 bytes.
     assert again.lost(1) == 16 and again.output(1) == b"cccccccc"
+
+
+def test_stdout_and_stderr_sent_again_come_in_the_order_they_were_first_sent():
+    w = World()
+
+    async def go():
+        task = asyncio.ensure_future(w.exec(_Ctx()))
+        for item in ((1, b"a"), (2, b"bb"), (1, b"cc"), (2, b"d")):
+            await w.feed.put(item)
+        await _settle()
+        await _lose(task)
+        again = _Ctx()
+        task = asyncio.ensure_future(w.exec(again, [0, 1]))
+        await _settle()
+        await w.feed.put(None)
+        await task
+        return again
+
+    again = asyncio.run(go())
+    assert [(f["fd"], f["data"]) for f in again.frames] == [(1, b"a"), (2, b"b"), (1, b"cc"), (2, b"d")]
 
 
 def test_a_request_sent_again_after_the_end_gets_the_rest_then_the_result():
