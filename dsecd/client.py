@@ -602,9 +602,14 @@ class _Budget:
     def __init__(self, units: int):
         self.free = units
         self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+        # Waiters handed their units whose tasks have not run on yet. One
+        # that comes meanwhile queues behind them: taking free units at
+        # once, it would send its request before theirs, which came first
+        # (a Process's inputs are numbered in the order they came).
+        self._handed = 0
 
     async def acquire(self, n: int) -> None:
-        if not self._waiters and self.free >= n:
+        if not self._waiters and not self._handed and self.free >= n:
             self.free -= n
             return
         fut = asyncio.get_running_loop().create_future()
@@ -614,11 +619,14 @@ class _Budget:
             await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
+                self._handed -= 1
                 self.release(n)             # granted just as we were cancelled
             elif entry in self._waiters:    # release() may have dropped it already
                 self._waiters.remove(entry)
                 self.release(0)             # those behind it may fit now
             raise
+        self._handed -= 1
+        self.release(0)                     # ones that queued behind it while it was handed its units
 
     def release(self, n: int) -> None:
         self.free += n
@@ -626,6 +634,7 @@ class _Budget:
             m, fut = self._waiters.popleft()
             if not fut.done():
                 self.free -= m
+                self._handed += 1
                 fut.set_result(None)
 
 

@@ -58,3 +58,31 @@ def test_a_cancelled_waiter_does_not_hold_back_those_behind_it():
         await asyncio.wait_for(small, 1)
 
     asyncio.run(go())
+
+
+def test_one_that_comes_as_a_waiter_is_handed_its_unit_queues_behind_it():
+    """A unit released to a waiter is its own from then on, but its task
+    runs on (and sends its request) only at the loop's next turn: one that
+    came meanwhile and took a unit free at that moment went first. A
+    Process's inputs, numbered in the order they came, then reached the
+    daemon out of order, and the later was refused as past the bytes written."""
+    async def go():
+        b = _Budget(2)
+        order = []
+
+        async def request(name):
+            await b.acquire(1)
+            order.append(name)
+
+        await b.acquire(1)
+        await b.acquire(1)
+        waiting = asyncio.ensure_future(request("came first"))
+        await asyncio.sleep(0)
+        after = asyncio.ensure_future(request("came after"))     # runs at the next turn, before...
+        b.release(1)                          # ...the waiter, handed its unit now
+        b.release(1)                          # and one more unit free
+        await asyncio.wait_for(asyncio.gather(waiting, after), 1)
+        assert order == ["came first", "came after"]
+        assert b.free == 0 and not b._waiters
+
+    asyncio.run(go())
