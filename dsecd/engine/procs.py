@@ -325,6 +325,9 @@ class ProcessService:
         self.closing = False
         self.seats: set[_Seat] = set()                       # the followers of proc_logs, where each is
         self._seats_moved: asyncio.Event | None = None       # set as one moves, while a stop waits (quiesce)
+        # (sandbox id, pid) -> the queue of the inputs that came for the
+        # process and have not yet taken its stdin_lock (_stdin_in_turn).
+        self._input_turns: dict[tuple[str, int], _Turn] = {}
         self.vm = VmProcs(self)
 
     # ------------------------------------------------------------ start
@@ -643,11 +646,39 @@ class ProcessService:
             sent = proc.run is not None and proc.run.signal(signum)
         return {"pid": proc.pid, "signal": signum, "sent": sent}
 
+    @contextlib.asynccontextmanager
+    async def _stdin_in_turn(self, req):
+        """(sandbox, process) of a proc_input, holding the process's
+        stdin_lock, which its inputs take in the order they came: the
+        client numbers them (`offset`) in the order it sends them, and one
+        that overtook another would be refused as past the bytes written.
+        A microVM's process is looked up only once the attach of its
+        current channel is done (_found): an input that came while it ran
+        waits for it and one that came just after does not, so without
+        this queue the later one could reach the lock first."""
+        sb = self.registry.get(req.sandbox, req)
+        key = (sb.id, req.pid)
+        turn = self._input_turns.get(key)
+        if turn is None:
+            turn = self._input_turns[key] = _Turn()
+        turn.users += 1
+        try:
+            async with turn.lock:
+                sb, proc = await self._found(req)
+                await proc.stdin_lock.acquire()
+        finally:
+            turn.users -= 1
+            if not turn.users and self._input_turns.get(key) is turn:
+                del self._input_turns[key]
+        try:
+            yield sb, proc
+        finally:
+            proc.stdin_lock.release()
+
     async def input(self, req, ctx) -> dict:
-        sb, proc = await self._found(req)
-        if proc.vm:
-            return await self._input_vm(sb, proc, req)
-        async with proc.stdin_lock:
+        async with self._stdin_in_turn(req) as (sb, proc):
+            if proc.vm:
+                return await self._input_vm(sb, proc, req)
             data = _not_written_yet(sb, proc, req, proc.stdin_in)
             fd = proc.fds["stdin"]
             if fd < 0:
@@ -669,34 +700,34 @@ class ProcessService:
         return {"pid": proc.pid, "written": len(req.data), "skipped": len(req.data) - len(data)}
 
     async def _input_vm(self, sb: Sandbox, proc: BgProc, req) -> dict:
-        async with proc.stdin_lock:
-            if proc.vm_input is not None:
-                # Its own errors went with the request that was cancelled;
-                # what it took is in vm_in, or (a channel gone meanwhile)
-                # the agent skips it by its offset.
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(proc.vm_input)
-            # What the agent took may be more than vm_in says (a request cut
-            # before its answer): the agent skips that part by its offset too.
-            data = _not_written_yet(sb, proc, req, proc.vm_in)
-            if not proc.vm_stdin:
-                if req.offset is not None and not data:
-                    return {"pid": proc.pid, "written": len(req.data), "skipped": len(req.data)}
-                why = "has exited" if not proc.running else "has no stdin open (closed, or started without it)"
-                raise Conflict(f"process {proc.pid} in sandbox {sb.id} {why}: cannot write to its stdin",
-                               {"sandbox": sb.id, "pid": proc.pid, "state": "running" if proc.running else "exited"})
-            sending = asyncio.ensure_future(self.vm.input(sb, proc, data, req.eof))
-            sending.add_done_callback(functools.partial(_input_sent, proc))
-            proc.vm_input = sending
-            try:
-                # Shielded: cancelled, this request leaves its input to the
-                # agent, which holds it anyway; the request sent again waits
-                # for it instead of finding the agent busy with it.
-                await asyncio.shield(sending)
-            except BrokenPipeError as err:
-                why = "has exited" if not proc.running else "closed its stdin; nothing more reaches it"
-                raise Conflict(f"process {proc.pid} in sandbox {sb.id} {why}",
-                               {"sandbox": sb.id, "pid": proc.pid}) from err
+        """A microVM process's input, under its stdin_lock."""
+        if proc.vm_input is not None:
+            # Its own errors went with the request that was cancelled;
+            # what it took is in vm_in, or (a channel gone meanwhile)
+            # the agent skips it by its offset.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(proc.vm_input)
+        # What the agent took may be more than vm_in says (a request cut
+        # before its answer): the agent skips that part by its offset too.
+        data = _not_written_yet(sb, proc, req, proc.vm_in)
+        if not proc.vm_stdin:
+            if req.offset is not None and not data:
+                return {"pid": proc.pid, "written": len(req.data), "skipped": len(req.data)}
+            why = "has exited" if not proc.running else "has no stdin open (closed, or started without it)"
+            raise Conflict(f"process {proc.pid} in sandbox {sb.id} {why}: cannot write to its stdin",
+                           {"sandbox": sb.id, "pid": proc.pid, "state": "running" if proc.running else "exited"})
+        sending = asyncio.ensure_future(self.vm.input(sb, proc, data, req.eof))
+        sending.add_done_callback(functools.partial(_input_sent, proc))
+        proc.vm_input = sending
+        try:
+            # Shielded: cancelled, this request leaves its input to the
+            # agent, which holds it anyway; the request sent again waits
+            # for it instead of finding the agent busy with it.
+            await asyncio.shield(sending)
+        except BrokenPipeError as err:
+            why = "has exited" if not proc.running else "closed its stdin; nothing more reaches it"
+            raise Conflict(f"process {proc.pid} in sandbox {sb.id} {why}",
+                           {"sandbox": sb.id, "pid": proc.pid}) from err
         return {"pid": proc.pid, "written": len(req.data), "skipped": len(req.data) - len(data)}
 
     async def _write_all(self, proc: BgProc, fd: int, data: bytes) -> None:
@@ -992,6 +1023,16 @@ class _Seat:
     def sent_all(self) -> bool:
         """Waiting for output past all the ring holds (or for the process's end)."""
         return self.waiting and self.pos >= self.proc.ring.written
+
+
+class _Turn:
+    """The inputs of one process on their way to its stdin_lock, in the
+    order they came (asyncio.Lock wakes its waiters first come, first
+    served); `users`: how many hold or wait for it (0: it goes)."""
+
+    def __init__(self):
+        self.lock = asyncio.Lock()
+        self.users = 0
 
 
 def _input_sent(proc: BgProc, sending: asyncio.Task) -> None:

@@ -12,6 +12,7 @@ daemon). No timings asserted.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import tempfile
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import Daemon, skip_unless_microvm
 
+from dsecd import Client
 from dsecd.errors import LimitExceeded
 
 CONFIG = '[limits]\nproc_output_bytes = "64K"\nmax_procs_per_sandbox = 3\n'
@@ -144,6 +146,40 @@ def test_an_input_cut_by_a_pause_goes_on_after_the_resume(vm):
     assert proc.wait().exit_code == 0
     assert _text(proc)[0].split() == [str(size).encode()]
     vm.exec(["rm", "/tmp/go"])
+
+
+def test_inputs_in_flight_at_once_reach_the_process_in_their_order(vmd):
+    """Writes sent without waiting for the one before (tasks of one loop),
+    while the VM is paused and resumed for the first of them: past the
+    client's share of the in-flight limit they queue, and the first ones
+    wait for the attach of the VM's new channel. None overtakes another
+    on its way to the process's stdin (the later one was refused as past
+    the bytes written, and those behind it with it); every byte arrives
+    once, in order."""
+    d, sb_id = vmd
+    rounds, writes = 4, 2000
+
+    async def main() -> tuple[bytes, bytes]:
+        async with Client(d.socket) as c:
+            sb = await c.get(sb_id)
+            proc = await sb.spawn("cat")
+            sent = []
+            for _round in range(rounds):
+                await sb.pause()
+                tasks = []
+                for _ in range(writes):
+                    sent.append(b"%05d\n" % len(sent))
+                    tasks.append(asyncio.ensure_future(proc.write(sent[-1])))
+                    await asyncio.sleep(0.0003)     # on while answers come and free slots
+                failed = [r for r in await asyncio.gather(*tasks, return_exceptions=True) if r is not None]
+                assert not failed, f"{len(failed)} of {writes} writes failed, the first: {failed[0]!r}"
+            await proc.close_stdin()
+            assert (await proc.wait()).exit_code == 0
+            out = b"".join([chunk.data async for chunk in proc.output(follow=False)])
+            return out, b"".join(sent)
+
+    out, sent = asyncio.run(main())
+    assert out == sent
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])

@@ -1,9 +1,12 @@
 """The pieces of dsecd/engine/procs.py that need no sandbox: the output
-ring's bounds and drop counts, and signal names."""
+ring's bounds and drop counts, signal names, and the order a microVM
+process's inputs take its stdin in."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import struct
 
 import pytest
 
@@ -122,3 +125,56 @@ def test_a_vm_process_request_takes_the_channel_every_vm_op_takes():
     asked, link, sb = [], object(), object()
     procs = VmProcs(SimpleNamespace(vms=SimpleNamespace(agent=lambda s: asked.append(s) or link)))
     assert procs._link(sb) is link and asked == [sb]
+
+
+def _vm_process_service(attach: asyncio.Future):
+    """A ProcessService with one running microVM process (sandbox "vm", pid
+    7, stdin open), whose agent takes inputs as agent.c's do_proc_input
+    does: an offset past what it took is refused, what it took is skipped.
+    The attach of the VM's current channel runs until `attach` is done."""
+    from types import SimpleNamespace
+
+    from dsecd.backends.microvm import wire
+    from dsecd.engine.procs import BgProc, ProcessService, ProcLimits
+
+    loop = asyncio.get_running_loop()
+    sb = SimpleNamespace(id="vm", backend="microvm")
+    taken = bytearray()
+
+    class Agent:
+        async def request(self, kind, pid, offset, eof, data):
+            assert kind == wire.PROC_INPUT
+            await asyncio.sleep(0)                  # the channel's round trip
+            at, data = struct.unpack(">Q", offset)[0], data[4:]
+            if at > len(taken):
+                raise AssertionError(f"input at offset {at} past the {len(taken)} bytes taken")
+            taken.extend(data[len(taken) - at:])
+
+    async def running(_sb, _why):
+        pass
+
+    svc = ProcessService(SimpleNamespace(get=lambda _name, _req=None: sb), SimpleNamespace(loop=loop), None,
+                         running, ProcLimits(1 << 16, 3, 1.0), None, SimpleNamespace(agent=lambda _sb: Agent()))
+    svc.tables["vm"] = {7: BgProc(loop, {"pid": 7, "state": "running", "vm": True, "argv": ["cat"]}, 1 << 16)}
+    svc.vm.attaching["vm"] = attach
+    return svc, taken
+
+
+def test_vm_inputs_take_the_stdin_in_the_order_they_came_across_the_end_of_an_attach():
+    """An input that came while the attach of a VM's new channel ran waits
+    for it; the next one, come just as it ended, waited for nothing and
+    took the process's stdin first: refused as past the bytes written."""
+    from dsecd.protocol import ProcInput
+
+    async def go():
+        attach = asyncio.get_running_loop().create_future()
+        svc, taken = _vm_process_service(attach)
+        first = asyncio.ensure_future(svc.input(ProcInput(sandbox="vm", pid=7, data=b"one ", offset=0), None))
+        await asyncio.sleep(0)                      # it waits for the attach
+        attach.set_result(None)
+        second = asyncio.ensure_future(svc.input(ProcInput(sandbox="vm", pid=7, data=b"two", offset=4), None))
+        answers = await asyncio.gather(first, second)
+        assert [a["skipped"] for a in answers] == [0, 0] and bytes(taken) == b"one two"
+        assert not svc._input_turns                 # none kept once they are through
+
+    asyncio.run(go())
