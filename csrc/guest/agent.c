@@ -179,8 +179,12 @@ enum {
  * (an older agent's tar has whole seconds; the host passes either on).
  * 12: M_TAR finds a renamed file's image inode in an image of several
  * layers, by the uuid in its origin handle (what the host unpacks is the
- * same as before). */
-#define AGENT_VERSION 12
+ * same as before).
+ * 13: a put told "ts" in its argv takes its records' mtimes as signed
+ * seconds and nanoseconds, any time a time_t holds (signed nanoseconds in
+ * 64 bits end in 1677 and 2262; the host refuses a time past them to an
+ * agent of 9 to 12). */
+#define AGENT_VERSION 13
 #define MAX_LIST 100000
 
 static int chan = -1;   /* the virtio-serial port */
@@ -527,7 +531,10 @@ static void flush_stdin(struct exec *x)
 
 static void close_proc_fds(void);
 static int tar_get_main(const char *path, uint64_t max_entries, uint64_t max_bytes);
-static int tar_put_main(const char *path, int ns_times);
+/* How a put's records give their mtimes (put_record). */
+enum { PUT_SECONDS, PUT_NS, PUT_TS };
+static int put_times(const char *word);
+static int tar_put_main(const char *path, int times);
 static int owner_set(uint32_t uid, uint32_t gid);
 static int watch_main(const char *path, int recursive, uint64_t max_dirs);
 
@@ -1082,14 +1089,15 @@ static void __attribute__((noreturn, noinline)) child_main(const struct child *c
         close_proc_fds();
         if (c->copy & EXEC_TAR_PUT) {
             /* argv: the directory, then its owner's uid and gid if not root
-             * (or a host of version 9 on), then "ns" from such a host: its
-             * records' mtimes are signed nanoseconds, not seconds */
+             * (or a host of version 9 on), then how its records give their
+             * mtimes: "ts" (from agent version 13 on) or "ns" (9 to 12),
+             * else in seconds (put_times) */
             if (c->argc > 2 && owner_set((uint32_t)strtoul(c->argv[1], NULL, 10),
                                          (uint32_t)strtoul(c->argv[2], NULL, 10)) < 0) {
                 step = "take the owner's ids";
                 goto child_fail;
             }
-            _exit(tar_put_main(c->argv[0], c->argc > 3 && !strcmp(c->argv[3], "ns")));
+            _exit(tar_put_main(c->argv[0], c->argc > 3 ? put_times(c->argv[3]) : PUT_SECONDS));
         }
         if (c->copy & EXEC_WATCH)
             _exit(watch_main(c->argv[0], c->argc > 1 && !strcmp(c->argv[1], "1"),
@@ -3746,20 +3754,28 @@ static int put_parent(int topfd, char *rel, const char **leaf)
 }
 
 /* One record: kind, rel, mode, mtime, size, then size bytes (a file's
- * data, a link's target). The mtime: seconds, or with ns_times signed
- * nanoseconds (PUT_NO_MTIME: none). Kinds: d a directory (mode 0700 until
+ * data, a link's target). The mtime (put_times): PUT_SECONDS a u64 of
+ * seconds (none: 2^64-1); PUT_NS signed nanoseconds in a u64 (none:
+ * PUT_NO_MTIME); PUT_TS signed seconds in a u64 and nanoseconds in a u32
+ * (none: PUT_TS_NONE), 4 bytes more. Kinds: d a directory (mode 0700 until
  * its D), f a file, s a symlink, h a hard link to a file made before, D a
- * directory's mode and mtime (none: 2^64-1 in seconds, PUT_NO_MTIME in
- * nanoseconds; sent last, deepest first), r the removal of
- * what an earlier record made at the name, which a later entry of the
- * archive replaces (mode 1: an empty directory; else a file or symlink,
- * never followed), E the end: rename into place. */
-#define PUT_NO_MTIME (1ull << 63) /* an ns_times put's "no mtime": INT64_MIN ns, no time a tar holds */
+ * directory's mode and mtime (it may have none; sent last, deepest first),
+ * r the removal of what an earlier record made at the name, which a later
+ * entry of the archive replaces (mode 1: an empty directory; else a file or
+ * symlink, never followed), E the end: rename into place. */
+#define PUT_NO_MTIME (1ull << 63) /* a PUT_NS put's "no mtime": INT64_MIN ns, no time a tar holds */
+#define PUT_TS_NONE 0xffffffffu   /* a PUT_TS put's "no mtime" in its nanoseconds field */
 
-static int put_record(int topfd, int pfd, const char *tmp, const char *name, int *ended, int ns_times)
+static int put_times(const char *word)
+{
+    return !strcmp(word, "ts") ? PUT_TS : !strcmp(word, "ns") ? PUT_NS : PUT_SECONDS;
+}
+
+static int put_record(int topfd, int pfd, const char *tmp, const char *name, int *ended, int times)
 {
     unsigned char head[5];
-    unsigned char nums[20];
+    unsigned char nums[24];
+    size_t nums_len = times == PUT_TS ? 24 : 20;
     char rel[4097], *data = NULL;
     const char *leaf, *what = "read the copy's input";
     uint32_t rlen;
@@ -3778,13 +3794,20 @@ static int put_record(int topfd, int pfd, const char *tmp, const char *name, int
         return -1;
     }
     rel[rlen] = 0;
-    if (read_in(nums, 20) <= 0) {
+    if (read_in(nums, nums_len) <= 0) {
         report_err(EINVAL, what);
         return -1;
     }
     mode = (uint64_t)nums[0] << 24 | (uint64_t)nums[1] << 16 | (uint64_t)nums[2] << 8 | nums[3];
     mtime = be64(nums + 4);
-    size = be64(nums + 12);
+    uint32_t nsec = 0;
+    if (times == PUT_TS)
+        nsec = (uint32_t)nums[12] << 24 | (uint32_t)nums[13] << 16 | (uint32_t)nums[14] << 8 | nums[15];
+    size = be64(nums + nums_len - 8);
+    if (times == PUT_TS && nsec >= 1000000000u && nsec != PUT_TS_NONE) {
+        report_err(EINVAL, "an mtime's nanoseconds past a second in the copy's input");
+        return -1;
+    }
     if (head[0] == 'E') {
         if (syscall(SYS_renameat2, pfd, tmp, pfd, name, RENAME_NOREPLACE) < 0) {
             report_err(errno, "rename the copy into place");
@@ -3809,10 +3832,12 @@ static int put_record(int topfd, int pfd, const char *tmp, const char *name, int
     if (dfd < 0)
         goto err;
     struct timespec ts[2] = {{.tv_sec = (time_t)mtime}, {.tv_sec = (time_t)mtime}};
-    int no_mtime = mtime == (ns_times ? PUT_NO_MTIME : UINT64_MAX);
+    int no_mtime = times == PUT_TS ? nsec == PUT_TS_NONE : mtime == (times == PUT_NS ? PUT_NO_MTIME : UINT64_MAX);
 
-    if (ns_times)
+    if (times == PUT_NS)
         ts[0] = ts[1] = ns_time(mtime);
+    else if (times == PUT_TS)
+        ts[0].tv_nsec = ts[1].tv_nsec = no_mtime ? UTIME_OMIT : (long)nsec;
     switch (head[0]) {
     case 'd':
         if (mkdirat(dfd, leaf, 0700) < 0)
@@ -3891,7 +3916,7 @@ done:
     return rc;
 }
 
-static int tar_put_main(const char *path, int ns_times)
+static int tar_put_main(const char *path, int times)
 {
     const char *name;
     char tmp[64];
@@ -3922,7 +3947,7 @@ static int tar_put_main(const char *path, int ns_times)
         return 1;
     }
     while (!ended)
-        if (put_record(topfd, pfd, tmp, name, &ended, ns_times) < 0) {
+        if (put_record(topfd, pfd, tmp, name, &ended, times) < 0) {
             remove_at(pfd, tmp, 1, &removed);
             return 1;
         }

@@ -831,10 +831,12 @@ class MicroVMService:
             raise BadRequest(f"copy into {where}: cannot copy a directory onto /; name a new directory below it",
                              {"path": path})
         # The put child's argv: the directory, then its owner's ids (agent.c),
-        # then "ns" to an agent that takes its records' mtimes in nanoseconds.
+        # then how its records give their mtimes to an agent that takes them
+        # finer than in seconds (_put_records).
         ids = owner if self._owner_fields(sb, owner, f"copy into {where}") else None
-        if self.agent(sb).agent_version >= wire.TIMES_AGENT_VERSION:
-            argv = [path, *(str(i) for i in ids or (0, 0)), "ns"]
+        version = self.agent(sb).agent_version
+        if version >= wire.TIMES_AGENT_VERSION:
+            argv = [path, *(str(i) for i in ids or (0, 0)), "ts" if version >= wire.WIDE_TIMES_AGENT_VERSION else "ns"]
         else:
             argv = [path, *(str(i) for i in ids)] if ids else [path]
         loop = asyncio.get_running_loop()
@@ -1259,26 +1261,22 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None,
     room(size), if given, raises when a file of PUT_CHECK_BYTES or more
     would not fit in the guest (MicroVMService.check_room); the records
     before it are sent first. An agent older than REPLACE_AGENT_VERSION
-    has no removal: such an archive is refused. From TIMES_AGENT_VERSION
-    on (its argv says "ns") mtimes go as nanoseconds, before 1970 too; to
-    an older agent as whole seconds, one before 1970 as 0."""
+    has no removal: such an archive is refused. mtimes go to the agent as
+    _mtime_field says: from WIDE_TIMES_AGENT_VERSION on (its argv says
+    "ts") exactly, whatever the time; from TIMES_AGENT_VERSION (its argv
+    says "ns") as 64-bit nanoseconds, a time outside them refused; to an
+    older agent as whole seconds, one before 1970 as 0."""
     seen = tarsafe.Seen(max_entries, max_bytes)
     out = bytearray()
     made = {""}
     dir_modes: dict[str, tuple[int, int | None]] = {"": (0o755, None)}     # mtimes in ns
-    ns_times = agent_version >= wire.TIMES_AGENT_VERSION
-
-    def stamp_of(mtime_ns: int | None) -> int:
-        if ns_times:
-            return wire.PUT_NO_MTIME if mtime_ns is None else mtime_ns & (2**64 - 1)
-        return 2**64 - 1 if mtime_ns is None else max(0, mtime_ns // 10**9)
 
     def record(kind: bytes, rel: str, mode: int = 0, mtime_ns: int | None = None, data: bytes = b"",
                size: int | None = None) -> None:
         name = rel.encode(errors="surrogateescape")
-        stamp = stamp_of(mtime_ns)
-        out.extend(kind + struct.pack(">I", len(name)) + name
-                   + struct.pack(">IQQ", mode, stamp, len(data) if size is None else size) + data)
+        out.extend(kind + struct.pack(">I", len(name)) + name + struct.pack(">I", mode)
+                   + _mtime_field(rel, mtime_ns, agent_version)
+                   + struct.pack(">Q", len(data) if size is None else size) + data)
         if len(out) >= PUT_CHUNK:
             flush()
 
@@ -1311,6 +1309,7 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None,
                 dir_modes.pop(rel, None)
             if m.isdir():
                 dir_modes[rel] = (m.mode & tarsafe.KEPT_MODE, tarsafe.mtime_ns(m))
+                _mtime_field(rel, dir_modes[rel][1], agent_version)     # refused now, not after the tree
                 make_dirs(rel)
                 continue
             make_dirs(rel.rpartition("/")[0])
@@ -1342,6 +1341,30 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None,
     record(b"E", "")
     flush(eof=True)
     return seen
+
+
+def _mtime_field(rel: str, mtime_ns: int | None, agent_version: int) -> bytes:
+    """A put record's mtime (None: none) as an agent of `agent_version`
+    takes it (csrc/guest/agent.c, put_record): signed seconds and
+    nanoseconds ("ts"), signed nanoseconds in 64 bits ("ns"), or seconds.
+    A time 64-bit nanoseconds do not hold (before 1677-09-21, past
+    2262-04-11), which a container's copy sets, is refused to an agent
+    that takes no other: it would wrap to another time."""
+    if agent_version >= wire.WIDE_TIMES_AGENT_VERSION:
+        if mtime_ns is None:
+            return struct.pack(">qI", 0, wire.PUT_TS_NO_MTIME)
+        return struct.pack(">qI", *divmod(mtime_ns, tarsafe.NS))       # floor: before 1970 too
+    if agent_version >= wire.TIMES_AGENT_VERSION:
+        if mtime_ns is None:
+            return struct.pack(">Q", wire.PUT_NO_MTIME)
+        if not -(2**63) < mtime_ns < 2**63:                 # -2**63 itself is PUT_NO_MTIME
+            raise tarsafe.Refused(
+                f"entry {rel or '.'!r}: its mtime, {mtime_ns / tarsafe.NS:.0f} s since 1970, is outside "
+                f"1677-09-21 to 2262-04-11, the times this microVM's guest agent (version {agent_version}) "
+                f"can set (version {wire.WIDE_TIMES_AGENT_VERSION} sets any): recreate the sandbox on this "
+                "daemon's guest image, or give the entry a time in that range")
+        return struct.pack(">q", mtime_ns)
+    return struct.pack(">Q", 2**64 - 1 if mtime_ns is None else max(0, mtime_ns // tarsafe.NS))
 
 
 def _mem_available(meminfo: bytes) -> int | None:

@@ -668,6 +668,18 @@ def test_cli_cp_stdin_sets_the_modes_and_mtimes_of_directories_it_merges_into(da
     assert leftovers(box, "/work/in") == []
 
 
+def test_a_copy_in_sets_an_mtime_past_2262_to_the_nanosecond(sandbox):
+    """2300-01-01 00:00:00.123456789 UTC: its nanoseconds pass 2**63, where a
+    microVM's put records held them, and wrapped to a time before 1970; on
+    both backends the file and the directory get the tar's time."""
+    far = {"pax_headers": {"mtime": "10413792000.123456789"}}
+    data = tar_of(({"name": "d", "type": tarfile.DIRTYPE, "mode": 0o755, **far}, None),
+                  ({"name": "d/f", **far}, b"far\n"))
+    sandbox.upload_tar(data, "/work/far")
+    got = sandbox.exec(["stat", "-c", "%Y %y", "/work/far/d", "/work/far/d/f"]).stdout.decode()
+    assert got.splitlines() == ["10413792000 2300-01-01 00:00:00.123456789 +0000"] * 2
+
+
 def test_set_attrs_sets_a_files_or_directorys_mode_and_mtime_and_follows_no_symlink(sandbox):
     sandbox.exec(["sh", "-c", "mkdir -p /work/d && echo x > /work/f && ln -s f /work/l"])
     assert sandbox.set_attrs("/work/f", mode=0o600, mtime=1_500_000_000)["path"] == "/work/f"

@@ -185,6 +185,73 @@ def test_a_microvm_copy_in_sends_the_nanoseconds_of_a_pax_archive(tmp_path):
 
 
 
+def _wide_stamps(stream: bytes) -> dict[str, tuple[int, int] | None]:
+    """Each record's mtime in a put to an agent told "ts": (signed seconds,
+    nanoseconds), None for none; kind, name, mode, seconds, nanoseconds,
+    size, then a file's data."""
+    stamps, at = {}, 0
+    while at < len(stream):
+        kind = stream[at:at + 1]
+        (n,) = struct.unpack_from(">I", stream, at + 1)
+        name = stream[at + 5:at + 5 + n].decode()
+        _mode, sec, nsec, size = struct.unpack_from(">IqIQ", stream, at + 5 + n)
+        at += 5 + n + 24 + (size if kind in (b"f", b"s", b"h") else 0)
+        if kind in (b"f", b"s", b"D"):
+            stamps[name] = None if nsec == wire.PUT_TS_NO_MTIME else (sec, nsec)
+    return stamps
+
+
+FAR = "10413792000.123456789"           # 2300-01-01 00:00:00.123456789 UTC: past 2262, 2**63 ns
+LONG_AGO = "-11676096000.25"            # 1600-01-01 00:00:00.25 UTC: before 1677, -2**63 ns
+
+
+def _tar_of_times(*records: tuple[str, str]) -> bytes:
+    """Directory `d` at the first pax mtime record, then a file of each (name, record)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        d = tarfile.TarInfo("d")
+        d.type, d.mode, d.pax_headers = tarfile.DIRTYPE, 0o755, {"mtime": records[0][1]}
+        tf.addfile(d)
+        for name, record in records:
+            f = tarfile.TarInfo(f"d/{name}")
+            f.size, f.mode, f.pax_headers = 4, 0o644, {"mtime": record}
+            tf.addfile(f, io.BytesIO(b"data"))
+    return out.getvalue()
+
+
+def test_a_microvm_copy_in_sends_times_64_bit_nanoseconds_do_not_hold_whole():
+    """Past 2262 and before 1677 the nanoseconds pass 2**63: sent as such,
+    they wrapped (2300 became 1715). An agent told "ts" takes seconds and
+    nanoseconds apart, as the container backend's os.utime does."""
+    sent = bytearray()
+    _put_records(io.BytesIO(_tar_of_times(("far", FAR), ("long-ago", LONG_AGO), ("fraction", "981173106.5"))),
+                 lambda data, eof: sent.extend(data), 100, 1 << 20, agent_version=wire.WIDE_TIMES_AGENT_VERSION)
+    assert _wide_stamps(bytes(sent)) == {
+        "d/far": (10413792000, 123456789), "d/long-ago": (-11676096001, 750_000_000),
+        "d/fraction": (981173106, 500_000_000), "d": (10413792000, 123456789), "": None}
+
+
+@pytest.mark.parametrize("record", [FAR, LONG_AGO])
+@pytest.mark.parametrize("where", ["d/f", "d"])
+def test_a_time_64_bit_nanoseconds_do_not_hold_is_refused_to_an_agent_that_takes_only_them(record, where):
+    """Agents of versions 9 to 12 take signed nanoseconds in 64 bits: such
+    a time is refused, naming the entry (a directory's at its entry, not
+    after the tree, when its mode and mtime go)."""
+    tar = _tar_of_times(("f", record)) if where == "d" else _tar_of_times(("ok", "981173106.5"), ("f", record))
+    with pytest.raises(tarsafe.Refused, match=rf"entry '{where}': .*1677-09-21 to 2262-04-11.*version 13 sets any"):
+        _put_records(io.BytesIO(tar), lambda data, eof: None, 100, 1 << 20,
+                     agent_version=wire.WIDE_TIMES_AGENT_VERSION - 1)
+
+
+def test_an_agent_of_whole_seconds_gets_a_time_past_2262_in_seconds():
+    sent = bytearray()
+    _put_records(io.BytesIO(_tar_of_times(("far", FAR))), lambda data, eof: sent.extend(data), 100, 1 << 20,
+                 agent_version=wire.TIMES_AGENT_VERSION - 1)
+    name = b"d/far"
+    at = sent.index(b"f" + struct.pack(">I", len(name)) + name) + 5 + len(name)
+    assert struct.unpack_from(">IQ", sent, at)[1] == 10413792000
+
+
 def _tar_at(record: str) -> bytes:
     """One file `f` whose pax mtime record is `record`."""
     out = io.BytesIO()

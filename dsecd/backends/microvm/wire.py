@@ -60,6 +60,13 @@ STAT_FOLLOW = 1
 # as a time past 2262 or as none: such a request is refused or clamped.
 TIMES_AGENT_VERSION = 9
 PUT_NO_MTIME = 1 << 63
+# The version from which a put told "ts" takes its records' mtimes as
+# signed seconds and nanoseconds (a u32, PUT_TS_NO_MTIME: none), 4 bytes
+# more than "ns": any time a tar holds, as the container backend's
+# os.utime takes it. Signed nanoseconds in 64 bits end in 1677 and 2262:
+# a time outside them is refused to an agent of TIMES_AGENT_VERSION to 12.
+WIDE_TIMES_AGENT_VERSION = 13
+PUT_TS_NO_MTIME = 2**32 - 1
 # From version 11 a copy out's tar gives an mtime's fraction in a pax record
 # (an older agent's has whole seconds): nothing the host asks for, it passes
 # the tar on either way.
