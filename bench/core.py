@@ -10,6 +10,9 @@ Python SDK:
 * exec_rtt_p50_ms / _p99_ms: exec `true` in one running sandbox;
 * pty_roundtrip_p50_ms / _p99_ms: one keystroke into `cat` on a pty exec
   until its echo comes back (bench/core_pty.py);
+* exec_stream_mib_s / exec_stream_keyed_mib_s / exec_stream_keyed_ratio:
+  a streamed exec's output to the client, without and with an idempotency
+  key (bench/core_stream.py);
 * write_file_mib_s / read_file_mib_s: 64 MiB into and out of a sandbox's
   /tmp, and write_small_p50_ms: one 4 KiB write (bench/core_copy.py);
 * spawn_p50_ms / _p99_ms: a background process's start until its pid, and
@@ -60,6 +63,7 @@ import core_copy
 import core_files
 import core_proc
 import core_pty
+import core_stream
 import harness
 import peers
 import uvloop
@@ -318,6 +322,7 @@ async def measure_dsecd_phases(sock: str, args) -> dict:
     results.update(await measure_create_exec(sock, args.n_seq))
     results.update(await measure_exec_rtt(sock, args.n_rtt))
     results.update(await core_pty.measure_pty_roundtrip(sock, args.n_pty, CREATE_ARGS))
+    results.update(await core_stream.measure_stream(sock, args.n_stream, CREATE_ARGS))
     results.update(await core_copy.measure_dsecd_copy(sock, args.n_copy, args.n_small))
     results.update(await core_proc.measure_spawn(sock, args.n_spawn, CREATE_ARGS))
     results.update(await core_proc.measure_follow_lag(sock, args.n_follow, CREATE_ARGS))
@@ -345,6 +350,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n-seq", type=int, default=200, help="sequential create+exec+destroy")
     p.add_argument("--n-rtt", type=int, default=300, help="execs in one sandbox")
     p.add_argument("--n-pty", type=int, default=2000, help="keystrokes into a pty exec")
+    p.add_argument("--n-stream", type=int, default=9, help="rounds of streamed execs, unkeyed and keyed")
     p.add_argument("--n-copy", type=int, default=5, help="64 MiB copies each way (and per peer)")
     p.add_argument("--n-small", type=int, default=300, help="4 KiB write_file calls")
     p.add_argument("--n-spawn", type=int, default=1000, help="background processes started in one sandbox")
@@ -362,7 +368,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.n_seq, args.n_rtt, args.n_rate, args.n_idle, args.n_peers = 20, 30, 64, 50, 20
-        args.n_pty, args.n_copy, args.n_small = 300, 2, 50
+        args.n_pty, args.n_copy, args.n_small, args.n_stream = 300, 2, 50, 3
         args.n_spawn, args.n_follow = 200, 500
     return args
 
