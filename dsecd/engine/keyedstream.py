@@ -9,7 +9,9 @@ stdout's and stderr's in the order they were sent. A request sent again
 says how many bytes of each it got (`stream_from`); it is sent the rest of
 the tail from there, in that order, then what the exec writes next. What
 its client got before the tail began is answered `{"fd": n, "lost":
-bytes}` (the SDK counts it in ExecResult.lost_output).
+bytes}` (the SDK counts it in ExecResult.lost_output). A request that
+takes the output over from one still connected (OpKeys._waited) has that
+one answered `taken_over` rather than a result after output cut short.
 While no request is attached (its connection lost, the one sent again not
 come yet) the exec's output waits: the exec blocks on a full pipe rather
 than write past the tail, until a request comes or the key's orphan time
@@ -58,6 +60,9 @@ class KeyedStream:
         self._lock = asyncio.Lock()
         self._io = None                 # the running exec, for exec_signal on the request attached
         self._registered = None         # the context it is registered with
+        # Done once another request of the key takes the output over from
+        # the one attached: that one's client will not get the rest.
+        self._taken: asyncio.Future | None = None
 
     @property
     def kept_bytes(self) -> int:
@@ -117,6 +122,9 @@ class KeyedStream:
         self.check(stream_from)
         async with self._lock:
             self._unregister()
+            if self._taken is not None and not self._taken.done():
+                self._taken.set_result(None)
+            self._taken = None
             self._ctx = ctx
             await self._replay(ctx, dict(zip(FDS, stream_from or (0, 0), strict=True)))
             if self._io is not None:
@@ -133,9 +141,21 @@ class KeyedStream:
             if at + len(data) > got[fd]:
                 await ctx.emit({"fd": fd, "data": data[max(0, got[fd] - at):]})
 
+    def taken(self, ctx) -> asyncio.Future:
+        """Done once another request takes the output over from `ctx`, the
+        request attached now (already done if it is not attached)."""
+        if self._ctx is not ctx:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        if self._taken is None:
+            self._taken = asyncio.get_running_loop().create_future()
+        return self._taken
+
     def detach(self, ctx) -> None:
         """Request `ctx`'s connection went: the output waits for the next."""
         if self._ctx is ctx:
             self._unregister()
             self._ctx = None
+            self._taken = None
             self._attached.clear()

@@ -219,6 +219,17 @@ class OpKeys:
         try:
             if stream is not None and resent_from is not None:
                 await stream.attach(ctx, resent_from)
+            if stream is not None:
+                # A request of the key sent meanwhile on another connection
+                # (its client cannot tell a link cut from one still up)
+                # takes the output over: this one's client gets no more of it.
+                taken = stream.taken(ctx)
+                await asyncio.wait({under_way, taken}, return_when=asyncio.FIRST_COMPLETED)
+                if not under_way.done():
+                    raise Conflict(f"exec with key {at[1]!r} in sandbox {sb.id}: another request with its key "
+                                   "took its output over (the same exec sent again, on another connection); "
+                                   "the rest of its output and its result go to that request",
+                                   {"key": at[1], "sandbox": sb.id, "op": "exec", "outcome": "taken_over"})
             return await asyncio.shield(under_way)
         except asyncio.CancelledError:
             why = ctx.why_cancelled()

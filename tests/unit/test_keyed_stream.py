@@ -284,3 +284,30 @@ def test_bad_stream_from_values_are_refused():
             keyedstream.check_stream_from(bad)
     keyedstream.check_stream_from([0, 5])
     keyedstream.check_stream_from(None)
+
+
+def test_a_request_whose_output_another_request_of_its_key_took_over_is_told_so():
+    """The same request sent while the first is still connected (a client
+    that cannot know the first's link is gone) takes the output over; the
+    first is answered that it was taken, not a result over output cut short."""
+    w = World()
+
+    async def go():
+        first = _Ctx()
+        task = asyncio.ensure_future(w.exec(first))
+        await w.feed.put((1, b"one "))
+        await _settle()
+        second = _Ctx()
+        again = asyncio.ensure_future(w.exec(second))
+        await _settle()
+        await w.feed.put((1, b"two"))
+        await w.feed.put(None)
+        result = await again
+        with pytest.raises(Conflict) as caught:
+            await task
+        return first, second, result, caught.value
+
+    first, second, result, err = asyncio.run(go())
+    assert first.output(1) == b"one " and second.output(1) == b"one two"
+    assert err.detail["outcome"] == "taken_over" and "took its output over" in err.message
+    assert result["existing"] is True and w.runs == 1
