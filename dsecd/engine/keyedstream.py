@@ -63,6 +63,7 @@ class KeyedStream:
         # Done once another request of the key takes the output over from
         # the one attached: that one's client will not get the rest.
         self._taken: asyncio.Future | None = None
+        self._ended = False             # the exec ended: a request sent again is sent the tail, not kept
 
     @property
     def kept_bytes(self) -> int:
@@ -120,13 +121,17 @@ class KeyedStream:
         """Request `ctx` (sent again with the key) takes the stream over: it
         is sent what came after `stream_from` (checked), then the rest."""
         self.check(stream_from)
+        got = dict(zip(FDS, stream_from or (0, 0), strict=True))
         async with self._lock:
+            if self._ended:
+                await self._replay(ctx, got)
+                return
             self._unregister()
             if self._taken is not None and not self._taken.done():
                 self._taken.set_result(None)
             self._taken = None
             self._ctx = ctx
-            await self._replay(ctx, dict(zip(FDS, stream_from or (0, 0), strict=True)))
+            await self._replay(ctx, got)
             if self._io is not None:
                 ctx.register_exec(self._io)
                 self._registered = ctx
@@ -140,6 +145,15 @@ class KeyedStream:
         for fd, at, data in list(self._tail):
             if at + len(data) > got[fd]:
                 await ctx.emit({"fd": fd, "data": data[max(0, got[fd] - at):]})
+
+    def end(self) -> None:
+        """The exec ended: its tail stays (with its answer, OpKeys._keep),
+        the request it went to does not: kept, it would hold that request's
+        connection for as long as the tail is."""
+        self._ended = True
+        self._ctx = None
+        self._registered = None
+        self._taken = None
 
     def taken(self, ctx) -> asyncio.Future:
         """Done once another request takes the output over from `ctx`, the

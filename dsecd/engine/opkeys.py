@@ -271,6 +271,8 @@ class OpKeys:
             timer.cancel()
         entry = sb.op_keys.get(at[1])
         stream = self._streams.pop(at, None)
+        if stream is not None:
+            stream.end()
         if task.cancelled():
             if entry is not None:
                 self._ended_last(sb, at[1])

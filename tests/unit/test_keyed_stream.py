@@ -311,3 +311,27 @@ def test_a_request_whose_output_another_request_of_its_key_took_over_is_told_so(
     assert first.output(1) == b"one " and second.output(1) == b"one two"
     assert err.detail["outcome"] == "taken_over" and "took its output over" in err.message
     assert result["existing"] is True and w.runs == 1
+
+
+def test_an_ended_exec_s_kept_output_holds_no_request_of_its_key():
+    """The tail stays for a request sent again (up to an hour): the requests
+    it went to, and their connections, are not kept with it."""
+    import gc
+    import weakref
+
+    w = World()
+
+    async def go():
+        first = _Ctx()
+        task = asyncio.ensure_future(w.exec(first))
+        await w.feed.put((1, b"all of it"))
+        await w.feed.put(None)
+        await task
+        again = _Ctx()
+        await w.exec(again, [4, 0])
+        return weakref.ref(first), weakref.ref(again), again.output(1)
+
+    first, again, output = asyncio.run(go())
+    gc.collect()
+    assert output == b"of it" and w.registry.op_keys._streams
+    assert first() is None and again() is None
