@@ -855,6 +855,16 @@ def _say_truncated(r) -> None:
               "the command's pipes were closed", file=sys.stderr)
 
 
+def _say_lost(r) -> None:
+    """Output a keyed exec taken up after a cut link (over ssh://) missed,
+    the daemon no longer having it (ExecResult.lost_output): a gap in what
+    was printed, said, or the output reads as whole."""
+    if r.lost_output:
+        print(f"dsec: {r.lost_output} bytes of the command's output were lost: the link to the daemon was "
+              "cut and the daemon no longer had them (it keeps the last 4 MiB for the exec taken up again)",
+              file=sys.stderr)
+
+
 # Why the daemon says a command was SIGKILLed (ExecResult.killed_by).
 KILLED_BY = {"oom": "the sandbox reached its memory limit (the kernel's OOM killer took it)",
              "destroy": "its sandbox was destroyed"}
@@ -901,8 +911,9 @@ async def cmd_exec(c: Client, a) -> int:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
                      "killed_by": r.killed_by, "destroyed_by": r.destroyed_by,
                      "truncated": r.truncated, "duration_ms": r.duration_ms, "policy": r.policy,
-                     "denials": r.denials, **out.fields()})
+                     "denials": r.denials, "lost_output": r.lost_output, **out.fields()})
     _say_truncated(r)
+    _say_lost(r)
     return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
 
 
@@ -1046,8 +1057,10 @@ async def cmd_run(c: Client, a) -> int:
         _print_json({"exit_code": r.exit_code, "signal": r.signal, "timed_out": r.timed_out,
                      "killed_by": r.killed_by, "destroyed_by": r.destroyed_by,
                      "truncated": r.truncated, "duration_ms": r.duration_ms, "sandbox": run.sandbox.id,
-                     **_fleet_host(a, run.sandbox), "argv": run.argv, **out.fields()})
+                     **_fleet_host(a, run.sandbox), "argv": run.argv, "lost_output": r.lost_output,
+                     **out.fields()})
     _say_truncated(r)
+    _say_lost(r)
     return _exit_status(r, f"dsec: timed out after {a.timeout}s; the command's process group was killed")
 
 

@@ -1151,3 +1151,44 @@ def test_a_relative_snapshot_exclude_is_refused_naming_the_absolute_path(path):
     assert f"--exclude {path!r} is relative" in str(info.value)
     assert f" /{path.removeprefix('./')} from its root" in str(info.value)
     cli.check_usage(cli.parse_args(["snapshot", "sb1", "--name", "snap", "--exclude", "/root/.cache"]))
+
+
+class _ExecClient:
+    """Answers `exec` with set output and result, as an ExecStream does."""
+
+    def __init__(self, chunks, result):
+        self.chunks, self.result = chunks, result
+
+    async def get(self, sandbox):
+        return self
+
+    def exec_stream(self, argv, **kw):
+        client = self
+
+        class _Stream:
+            result = None
+
+            async def __aiter__(self):
+                for chunk in client.chunks:
+                    yield chunk
+                self.result = client.result
+
+        return _Stream()
+
+
+@pytest.mark.parametrize("json_output", [False, True])
+def test_exec_says_the_output_a_cut_link_lost(capfd, json_output):
+    """Over ssh:// a keyed exec is taken up after a cut link; output the
+    daemon no longer had is a gap in what is printed: said, not silent."""
+    from dsecd.client import ExecResult
+
+    r = ExecResult(exit_code=0, signal=None, stdout=b"", stderr=b"", truncated=False, timed_out=False,
+                   cancelled=False, duration_ms=1.0, lost_output=4096)
+    a = cli.parse_args(["exec", *(["--json"] if json_output else []), "sb-1", "--", "make"])
+    assert asyncio.run(cli.cmd_exec(_ExecClient([(1, b"end\n")], r), a)) == 0
+    out, err = capfd.readouterr()
+    assert "4096 bytes of the command's output were lost" in err
+    if json_output:
+        assert json.loads(out)["lost_output"] == 4096
+    else:
+        assert out == "end\n"
