@@ -13,9 +13,10 @@ bytes}` (the SDK counts it in ExecResult.lost_output). A request that
 takes the output over from one still connected (OpKeys._waited) has that
 one answered `taken_over` rather than a result after output cut short.
 While no request is attached (its connection lost, the one sent again not
-come yet) the exec's output waits: the exec blocks on a full pipe rather
-than write past the tail, until a request comes or the key's orphan time
-ends it.
+come yet) the exec's output is kept for the one sent again, and the exec
+goes on (and may end) up to TAIL_BYTES of it; past that its output waits:
+the exec blocks on a full pipe rather than have output it wrote fall out
+of the tail unsent, until a request comes or the key's orphan time ends it.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class KeyedStream:
         # the one attached: that one's client will not get the rest.
         self._taken: asyncio.Future | None = None
         self._ended = False             # the exec ended: a request sent again is sent the tail, not kept
+        self._held = 0                  # bytes kept since the last request went, sent to none
 
     @property
     def kept_bytes(self) -> int:
@@ -74,16 +76,25 @@ class KeyedStream:
         return [self._ends[fd] for fd in FDS]
 
     async def emit(self, payload: dict) -> None:
+        fd, data = payload.get("fd"), payload.get("data")
+        output = fd in self._ends and bool(data)
         while True:
-            await self._attached.wait()
             async with self._lock:
-                if self._ctx is None:
-                    continue
-                fd = payload.get("fd")
-                if fd in self._ends and payload.get("data"):
-                    self._keep(fd, payload["data"])
-                await self._ctx.emit(payload)
-                return
+                if self._ctx is not None:
+                    if output:
+                        self._keep(fd, data)
+                    await self._ctx.emit(payload)
+                    return
+                if output and self._held + len(data) <= TAIL_BYTES:
+                    # No request attached: kept for the one sent again, and
+                    # the exec goes on. Waiting here instead, an exec that
+                    # ends meanwhile would have its last output dropped
+                    # with its pipes (ExecIO.run stops reading them
+                    # limits.exec_drain_grace_s after the exit).
+                    self._keep(fd, data)
+                    self._held += len(data)
+                    return
+            await self._attached.wait()
 
     def _keep(self, fd: int, data: bytes) -> None:
         self._tail.append((fd, self._ends[fd], data))
@@ -127,6 +138,7 @@ class KeyedStream:
                 await self._replay(ctx, got)
                 return
             self._unregister()
+            self._held = 0
             if self._taken is not None and not self._taken.done():
                 self._taken.set_result(None)
             self._taken = None
@@ -167,7 +179,7 @@ class KeyedStream:
         return self._taken
 
     def detach(self, ctx) -> None:
-        """Request `ctx`'s connection went: the output waits for the next."""
+        """Request `ctx`'s connection went: the output is kept for the next (emit)."""
         if self._ctx is ctx:
             self._unregister()
             self._ctx = None

@@ -19,13 +19,17 @@ class CuttingRelay:
     daemon, before any answer to it came back; or, given `cut_after` (an
     awaitable: the daemon acting on the request, seen from elsewhere),
     once that came, still before the answer. Later connections (the SDK's
-    reconnect) are relayed as they are."""
+    reconnect) are relayed as they are, `hold_s` after the cut at the
+    earliest (a link that takes that long to come back)."""
 
-    def __init__(self, daemon_socket: str, path: str, cut_op: str, cut_after: Awaitable | None = None):
+    def __init__(self, daemon_socket: str, path: str, cut_op: str, cut_after: Awaitable | None = None,
+                 hold_s: float = 0.0):
         self.daemon_socket = daemon_socket
         self.path = path
         self.cut_op = cut_op
         self.cut_after = cut_after
+        self.hold_s = hold_s
+        self._cut_at: float | None = None
         self.cut = asyncio.Event()
         self.resent = asyncio.Event()  # a request of `cut_op` went by after the cut
         self.seen: list[str] = []      # the ops of the requests relayed, in order
@@ -44,6 +48,8 @@ class CuttingRelay:
 
     async def _relay(self, client_reader, client_writer) -> None:
         self._links.add(asyncio.current_task())
+        if self._cut_at is not None:
+            await asyncio.sleep(self._cut_at + self.hold_s - time.monotonic())
         daemon_reader, daemon_writer = await asyncio.open_unix_connection(self.daemon_socket)
 
         async def to_daemon() -> None:
@@ -59,6 +65,7 @@ class CuttingRelay:
                         if self.cut_after is not None:
                             await self.cut_after
                         self.cut.set()
+                        self._cut_at = time.monotonic()
                         daemon_writer.transport.abort()
                         client_writer.transport.abort()
                         return

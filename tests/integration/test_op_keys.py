@@ -171,6 +171,30 @@ def test_a_streamed_exec_whose_connection_drops_mid_output_runs_once_and_goes_on
     assert_streamed_once_and_whole(*asyncio.run(go()))
 
 
+def test_a_streamed_exec_that_ends_while_its_link_is_down_keeps_its_last_output(daemon, tmp_path):
+    """The command writes and exits while no request of its key is
+    connected: that output is kept for the request sent again, not lost
+    with the pipes once the exec's end was waited for."""
+    async def go():
+        async with Client(daemon.socket) as direct:
+            sb = await _sandbox(direct)
+            try:
+                first = asyncio.Event()
+                relay = CuttingRelay(daemon.socket, str(tmp_path / "r.sock"), "exec", cut_after=first.wait(),
+                                     hold_s=3.0)
+                async with relay, Client(relay.path) as c:
+                    mine = await c.get(sb.id)
+                    r = await mine.exec("echo first; sleep 1; echo late; exit 5", key=f"late-{time.monotonic_ns()}",
+                                        on_stdout=lambda data: first.set())
+                return r, relay
+            finally:
+                await sb.destroy(force=True)
+
+    r, relay = asyncio.run(go())
+    assert relay.cut.is_set() and relay.seen.count("exec") == 2, relay.seen
+    assert (r.exit_code, r.stdout, r.lost_output) == (5, b"first\nlate\n", 0), r
+
+
 def test_an_input_whose_connection_drops_after_it_was_sent_reaches_the_process_once(daemon, tmp_path):
     """Process.write sends its offset in the process's input: sent again,
     the daemon skips the bytes it wrote before."""

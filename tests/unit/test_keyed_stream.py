@@ -335,3 +335,53 @@ def test_an_ended_exec_s_kept_output_holds_no_request_of_its_key():
     gc.collect()
     assert output == b"of it" and w.registry.op_keys._streams
     assert first() is None and again() is None
+
+
+
+def test_an_exec_that_ends_while_no_request_is_connected_keeps_its_last_output():
+    """Output written while no request is attached is kept and the exec goes
+    on: it may end (ExecIO then stops reading its pipes soon after), and the
+    request sent again gets that output, then the result."""
+    w = World()
+
+    async def go():
+        task = asyncio.ensure_future(w.exec(_Ctx()))
+        await w.feed.put((1, b"sent "))
+        await _settle()
+        await _lose(task)
+        await w.feed.put((1, b"late"))
+        await w.feed.put(None)
+        await _settle()
+        ended = not w.registry.op_keys._running
+        again = _Ctx()
+        return ended, again, await w.exec(again, [5, 0])
+
+    ended, again, result = asyncio.run(go())
+    assert ended
+    assert again.output(1) == b"late" and result["existing"] is True and result["exit_code"] == 0
+
+
+def test_output_past_the_tail_waits_while_no_request_is_connected(monkeypatch):
+    """Kept unsent up to the tail; past it the exec waits rather than have
+    output it wrote fall out unsent."""
+    monkeypatch.setattr(keyedstream, "TAIL_BYTES", 8)
+    w = World()
+
+    async def go():
+        task = asyncio.ensure_future(w.exec(_Ctx()))
+        await w.feed.put((1, b"sent"))
+        await _settle()
+        await _lose(task)
+        for piece in (b"kep", b"t, ", b"wait"):
+            await w.feed.put((1, piece))
+        await _settle()
+        waits = w.feed.empty() and bool(w.registry.op_keys._running)
+        again = _Ctx()
+        task = asyncio.ensure_future(w.exec(again, [4, 0]))
+        await _settle()
+        await w.feed.put(None)
+        await task
+        return waits, again
+
+    waits, again = asyncio.run(go())
+    assert waits and again.output(1) == b"kept, wait" and again.lost(1) == 0
