@@ -105,6 +105,11 @@ class RequestContext:
     def emit_nowait(self, payload: dict) -> None:
         self.conn.send_nowait({"id": self.rid, "stream": payload})
 
+    async def drained(self) -> None:
+        """Wait while the connection holds more than its buffer's limit
+        unsent (emit_nowait and this are emit)."""
+        await self.conn.drained()
+
     def register_exec(self, io) -> None:
         self.conn.execs[self.rid] = io
         self.conn.begun(self.rid)
@@ -251,6 +256,9 @@ class Connection:
 
     async def send(self, frame: dict) -> None:
         self.send_nowait(frame)
+        await self.drained()
+
+    async def drained(self) -> None:
         try:
             await self.writer.drain()
         except (ConnectionError, RuntimeError):

@@ -66,6 +66,8 @@ class KeyedStream:
         self._taken: asyncio.Future | None = None
         self._ended = False             # the exec ended: a request sent again is sent the tail, not kept
         self._held = 0                  # bytes kept since the last request went, sent to none
+        self._sending: asyncio.Future | None = None     # _send's wait for the connection attached
+        self._attaching = 0             # requests sent again waiting for the lock to take the output over
 
     @property
     def kept_bytes(self) -> int:
@@ -83,7 +85,14 @@ class KeyedStream:
                 if self._ctx is not None:
                     if output:
                         self._keep(fd, data)
-                    await self._ctx.emit(payload)
+                    if self._attaching:
+                        # A request sent again waits for the lock to take
+                        # the output over: not held up by a connection that
+                        # stopped taking frames (_send), it gets the frame
+                        # from the tail if its client lacks it.
+                        self._ctx.emit_nowait(payload)
+                        return
+                    await self._send(payload)
                     return
                 if output and self._held + len(data) <= TAIL_BYTES:
                     # No request attached: kept for the one sent again, and
@@ -95,6 +104,24 @@ class KeyedStream:
                     self._held += len(data)
                     return
             await self._attached.wait()
+
+    async def _send(self, payload: dict) -> None:
+        """`payload` to the request attached: written to its connection,
+        then its connection's buffer waited for, as RequestContext.emit
+        does (the exec's backpressure). A request sent again cuts that wait
+        (attach): a link cut that neither end has noticed yet (ssh's, until
+        TCP gives up, minutes later) would hold the lock, and the request
+        sent again with it, for that long. The frame is in the tail: the
+        request sent again gets it if its client lacks it."""
+        self._ctx.emit_nowait(payload)
+        drained = self._sending = asyncio.ensure_future(self._ctx.drained())
+        try:
+            await drained
+        except asyncio.CancelledError:
+            if not drained.cancelled() or asyncio.current_task().cancelling():
+                raise
+        finally:
+            self._sending = None
 
     def _keep(self, fd: int, data: bytes) -> None:
         self._tail.append((fd, self._ends[fd], data))
@@ -133,7 +160,14 @@ class KeyedStream:
         is sent what came after `stream_from` (checked), then the rest."""
         self.check(stream_from)
         got = dict(zip(FDS, stream_from or (0, 0), strict=True))
-        async with self._lock:
+        if self._sending is not None and self._ctx is not ctx:
+            self._sending.cancel()
+        self._attaching += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self._attaching -= 1
+        try:
             if self._ended:
                 await self._replay(ctx, got)
                 return
@@ -148,6 +182,8 @@ class KeyedStream:
                 ctx.register_exec(self._io)
                 self._registered = ctx
             self._attached.set()
+        finally:
+            self._lock.release()
 
     async def _replay(self, ctx, got: dict[int, int]) -> None:
         """Send `ctx` the output after `got` (bytes per fd), frames in the order they were first sent."""

@@ -35,7 +35,13 @@ class _Ctx:
         self.execs: list[object] = []
 
     async def emit(self, payload: dict) -> None:
+        self.emit_nowait(payload)
+        await self.drained()
+
+    def emit_nowait(self, payload: dict) -> None:
         self.frames.append(payload)
+
+    async def drained(self) -> None:
         await asyncio.sleep(0)
 
     def why_cancelled(self) -> str:
@@ -385,3 +391,59 @@ def test_output_past_the_tail_waits_while_no_request_is_connected(monkeypatch):
 
     waits, again = asyncio.run(go())
     assert waits and again.output(1) == b"kept, wait" and again.lost(1) == 0
+
+
+class _StuckCtx(_Ctx):
+    """A request whose connection stopped taking frames without ending (a
+    link cut that neither end has noticed): sends past its first wait."""
+
+    def __init__(self):
+        super().__init__()
+        self.stuck = asyncio.Event()
+
+    async def drained(self) -> None:
+        if len(self.frames) > 1:
+            self.stuck.set()
+            await asyncio.Event().wait()
+
+
+def test_the_request_sent_again_takes_the_output_over_from_a_connection_that_stopped_taking_it():
+    w = World()
+
+    async def go():
+        first = _StuckCtx()
+        task = asyncio.ensure_future(w.exec(first))
+        await w.feed.put((1, b"one "))
+        await w.feed.put((1, b"two "))
+        await first.stuck.wait()
+        again = _Ctx()
+        resent = asyncio.ensure_future(w.exec(again, [4, 0]))
+        await _settle()
+        await w.feed.put((1, b"three"))
+        await w.feed.put(None)
+        result = await asyncio.wait_for(resent, 5)
+        with pytest.raises(Conflict):
+            await task
+        return again, result
+
+    again, result = asyncio.run(go())
+    assert again.output(1) == b"two three" and result["existing"] is True and w.runs == 1
+
+
+def test_a_frame_queued_behind_a_stuck_send_does_not_hold_the_request_sent_again():
+    """stdout's frame stuck on the old connection, stderr's waiting behind it:
+    neither keeps the request sent again from taking the output over."""
+    async def go():
+        first, again = _StuckCtx(), _Ctx()
+        stream = KeyedStream(first)
+        await stream.emit({"fd": 1, "data": b"one "})
+        stuck = asyncio.ensure_future(stream.emit({"fd": 1, "data": b"two "}))
+        await first.stuck.wait()
+        queued = asyncio.ensure_future(stream.emit({"fd": 2, "data": b"err"}))
+        await _settle()
+        await asyncio.wait_for(stream.attach(again, [4, 0]), 5)
+        await asyncio.wait_for(asyncio.gather(stuck, queued), 5)
+        return first, again
+
+    again = asyncio.run(go())[1]
+    assert again.output(1) == b"two " and again.output(2) == b"err"
