@@ -778,9 +778,11 @@ class Client:
                  reconnect_timeout: float | None = None, silence_timeout: float | str | None = None):
         target = target or default_socket()
         self.remote = remote.is_remote(target)
-        # Whether Sandbox.exec makes an idempotency key for a collected exec
-        # given none: over ssh://, where a link can drop with its daemon up
-        # and the exec sent again is answered with its one run. Not on a
+        # Whether Sandbox.exec and exec_stream make an idempotency key for
+        # an exec without stdin or pty given none (a streamed one where the
+        # daemon lists "op.keys.stream"): over ssh://, where a link can drop
+        # with its daemon up and the exec sent again is answered with its
+        # one run (a streamed one's output taken up where it stopped). Not on a
         # local socket, nor through a Ray actor (whose connection is a local
         # socket on the daemon's node, dsecd/ray.py): a connection lost
         # there is a daemon that went, whose successor could only say the
