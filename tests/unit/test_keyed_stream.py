@@ -128,7 +128,7 @@ def test_the_request_sent_again_gets_the_output_its_client_missed_and_the_comman
     assert w.runs == 1
 
 
-def test_output_waits_while_no_request_is_connected():
+def test_output_written_while_no_request_is_connected_goes_to_the_next():
     w = World()
 
     async def go():
