@@ -70,6 +70,11 @@ class ExecIO:
         self.reaped: asyncio.Future | None = None
         self._stdin_q: asyncio.Queue[bytes | None] | None = asyncio.Queue(maxsize=64) if want_stdin else None
         self.stdin_r = self.stdin_w = self.out_r = self.out_w = self.err_r = self.err_w = -1
+        # Time the pumps spent handing output on (emit waiting for a slow
+        # client): not counted in the drain grace (_drain).
+        self._emitting = 0
+        self._emit_began = 0.0
+        self._emit_time = 0.0
         try:
             self._open_ends(want_stdin)
         except BaseException:
@@ -141,8 +146,7 @@ class ExecIO:
                 except TimeoutError:
                     raise TimeoutError(errno.ETIMEDOUT, "the run did not end after a kill") from None
             status = exited.result()["status"]
-            # Background children may hold the pipes open: wait a little, then stop reading.
-            await asyncio.wait(pumps, timeout=drain_grace)
+            await self._drain(pumps, drain_grace)
         finally:
             watch.stop()
             for task in pumps + ([feeder] if feeder else []):
@@ -156,6 +160,38 @@ class ExecIO:
         return {"exit_code": code, "signal": sig, "timed_out": self.timed_out,
                 "truncated": self.truncated, "cancelled": self.cancelled,
                 "duration_ms": round((time.monotonic() - started) * 1000, 3)}
+
+    async def _drain(self, pumps: list[asyncio.Task], grace: float) -> None:
+        """After the exit: read the pipes to their end. Background children
+        may hold them open, so reading stops once `grace` s went by, not
+        counting the time output waited to be handed on (emit blocked by a
+        slow client's backpressure): what the process wrote before its exit,
+        still in the pipes, reaches the client however slow its link."""
+        left = grace
+        while left > 0:
+            began, emitted = time.monotonic(), self._emitted_for()
+            _done, pending = await asyncio.wait(pumps, timeout=left)
+            if not pending:
+                return
+            left -= (time.monotonic() - began) - (self._emitted_for() - emitted)
+
+    def _emitted_for(self) -> float:
+        """Seconds the pumps have spent in emit so far (at least one of them)."""
+        now = self._emit_time
+        if self._emitting:
+            now += time.monotonic() - self._emit_began
+        return now
+
+    async def _emit(self, stream: int, data: bytes) -> None:
+        if not self._emitting:
+            self._emit_began = time.monotonic()
+        self._emitting += 1
+        try:
+            await self.emit(stream, data)
+        finally:
+            self._emitting -= 1
+            if not self._emitting:
+                self._emit_time += time.monotonic() - self._emit_began
 
     async def _readable(self, fd: int) -> None:
         fut = self.loop.create_future()
@@ -179,7 +215,7 @@ class ExecIO:
                 self.truncated = True
             if data:
                 self.delivered += len(data)
-                await self.emit(stream, data)
+                await self._emit(stream, data)
             if self.truncated:
                 # Close both read ends: the writer gets EPIPE instead of filling the host.
                 self._close_reads()
