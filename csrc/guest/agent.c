@@ -120,8 +120,9 @@ enum {
     M_PROC_FORGET = 27, /* pid: an exited process's record and ring freed; OK */
     M_CREDIT = 28,      /* taken: of an EXEC_WINDOW exec (its id), the OUT data bytes the host has taken
                            in all (2^64-1: it discards the rest, send all); no answer */
-    M_SETATTR = 29,     /* path, flags (1: mode, 2: mtime, 4: follow), mode, mtime (ns): a file's or
-                           directory's (a symlink, unless followed: ELOOP); OK */
+    M_SETATTR = 29,     /* path, flags (SETATTR_*), mode, mtime (signed ns; SETATTR_TS: signed seconds)
+                           [, nanoseconds: SETATTR_TS]: a file's or directory's (a symlink, unless followed:
+                           ELOOP); OK */
 };
 /* guest -> host */
 enum {
@@ -152,6 +153,10 @@ enum {
 #define RENAME_OVERWRITE 1u /* M_RENAME flags: replace an existing dst */
 #define RENAME_KEEP_ATTRS 2u /* a regular file replacing one takes its owner, group and mode */
 #define STAT_FOLLOW 1u      /* M_STAT flags: stat what a symlink leads to (inside the root), not the link */
+#define SETATTR_MODE 1u     /* M_SETATTR flags: chmod to its mode */
+#define SETATTR_MTIME 2u    /* set its mtime (and atime) */
+#define SETATTR_FOLLOW 4u   /* a symlink as its last name: what it leads to (inside the root) */
+#define SETATTR_TS 8u       /* the mtime field is signed seconds; a u64 of nanoseconds follows all others */
 
 #define STR_(x) #x
 #define STR(x) STR_(x)
@@ -183,8 +188,11 @@ enum {
  * 13: a put told "ts" in its argv takes its records' mtimes as signed
  * seconds and nanoseconds, any time a time_t holds (signed nanoseconds in
  * 64 bits end in 1677 and 2262; the host refuses a time past them to an
- * agent of 9 to 12). */
-#define AGENT_VERSION 13
+ * agent of 9 to 12).
+ * 14: M_SETATTR takes SETATTR_TS: its mtime as signed seconds and
+ * nanoseconds, any time a time_t holds (the host refuses a time past 64-bit
+ * nanoseconds to an older agent, and sends it no such flag). */
+#define AGENT_VERSION 14
 #define MAX_LIST 100000
 
 static int chan = -1;   /* the virtio-serial port */
@@ -2430,20 +2438,23 @@ done:
 }
 
 /* chmod and/or the times of a file or directory, through its O_PATH fd (a
- * symlink at its last name followed only with flag 4; RESOLVE_IN_ROOT). */
+ * symlink at its last name followed only with SETATTR_FOLLOW;
+ * RESOLVE_IN_ROOT). The mtime: signed nanoseconds, which end in 1677 and
+ * 2262, or with SETATTR_TS signed seconds and nanoseconds apart. */
 static void do_setattr(uint32_t id, struct rd *r)
 {
     char *path = get_str(r);
-    uint64_t flags = get_u64(r), mode = get_u64(r), ns = get_u64(r);
+    uint64_t flags = get_u64(r), mode = get_u64(r), mtime = get_u64(r);
+    uint64_t nsec = flags & SETATTR_TS ? get_u64(r) : 0;
     char proc[64];
     struct stat st;
     int fd = -1;
 
-    if (r->bad) {
+    if (r->bad || nsec >= 1000000000u) {
         send_err(id, EINVAL, "malformed setattr request");
         goto done;
     }
-    fd = open_in_root(path, O_PATH | (flags & 4 ? 0 : O_NOFOLLOW), 0);
+    fd = open_in_root(path, O_PATH | (flags & SETATTR_FOLLOW ? 0 : O_NOFOLLOW), 0);
     if (fd < 0 || fstat(fd, &st) < 0) {
         send_err(id, errno, "open");
         goto done;
@@ -2453,12 +2464,15 @@ static void do_setattr(uint32_t id, struct rd *r)
         goto done;
     }
     snprintf(proc, sizeof(proc), "/proc/self/fd/%d", fd);
-    if ((flags & 1) && chmod(proc, (mode_t)(mode & 07777)) < 0) {
+    if ((flags & SETATTR_MODE) && chmod(proc, (mode_t)(mode & 07777)) < 0) {
         send_err(id, errno, "chmod");
         goto done;
     }
-    if (flags & 2) {
-        struct timespec ts[2] = {ns_time(ns), ns_time(ns)};
+    if (flags & SETATTR_MTIME) {
+        struct timespec t = flags & SETATTR_TS ? (struct timespec){.tv_sec = (time_t)(int64_t)mtime,
+                                                                   .tv_nsec = (long)nsec}
+                                               : ns_time(mtime);
+        struct timespec ts[2] = {t, t};
 
         if (utimensat(AT_FDCWD, proc, ts, 0) < 0) {
             send_err(id, errno, "utimensat");

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from .. import fds, protocol, userns
+from .. import fds, protocol, tarsafe, userns
 from ..errors import BadRequest, Conflict, DsecError, LimitExceeded, io_error
 from ..fs import copytemps
 from ..fs import files as sbfiles
@@ -42,9 +42,6 @@ CopyByInit = Callable[[object, object, int, int], "InitExec | None"]
 # How long the start waits on a microVM's guest to remove a temporary the
 # daemon before left (a stat and a remove).
 VM_SWEEP_TIMEOUT_S = 30.0
-# The farthest mtime file_set_attrs sets, either way from the epoch: what
-# fits in a signed 64-bit count of nanoseconds (year 2262).
-MAX_MTIME_S = (2**63 - 1) // 10**9
 
 
 class FileService:
@@ -274,11 +271,14 @@ class FileService:
                              {"path": req.path})
         if req.mode is not None and not 0 <= req.mode <= 0o7777:
             raise BadRequest(f"mode must be in [0, 0o7777], got {req.mode:#o}")
-        # Set in nanoseconds (a signed 64-bit count, the kernel's and the
-        # guest agent's): what does not fit is no time a file can have.
-        if req.mtime is not None and not (math.isfinite(req.mtime) and abs(req.mtime) <= MAX_MTIME_S):
+        # Any time a time_t holds, as a copy in takes a tar's (tarsafe.mtime_ns):
+        # os.utime takes it as a count of nanoseconds past 64 bits, and the
+        # file system clamps it to its own range (ext4: 1901 to 2446). What a
+        # time_t does not hold is no time a file can have.
+        if req.mtime is not None and not (math.isfinite(req.mtime) and abs(req.mtime) < tarsafe.MAX_TIME_T):
             raise BadRequest(f"set attributes of {req.sandbox}:{req.path}: mtime must be seconds since the epoch "
-                             f"within +-{MAX_MTIME_S}, got {req.mtime!r}", {"path": req.path})
+                             f"that a time_t holds (less than 2**63 either way), got {req.mtime!r}",
+                             {"path": req.path})
         return await self._file_op(req, "set attributes of", sbfiles.set_attrs, req.path, req.mode, req.mtime,
                                    req.follow)
 

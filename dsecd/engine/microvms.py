@@ -1218,17 +1218,12 @@ class MicroVMService:
                 raise Unsupported(f"set attributes of {sb.id}:{path}: this microVM's guest agent (version "
                                   f"{version}) cannot set a file's mode or mtime (version "
                                   f"{wire.ATTRS_AGENT_VERSION} can)", {"sandbox": sb.id, "agent_version": version})
-            if req.mtime is not None and req.mtime < 0 and version < wire.TIMES_AGENT_VERSION:
-                raise Unsupported(f"set attributes of {sb.id}:{path}: this microVM's guest agent (version "
-                                  f"{version}) cannot set an mtime before 1970 (version "
-                                  f"{wire.TIMES_AGENT_VERSION} can): recreate the sandbox on this daemon's "
-                                  "guest image", {"sandbox": sb.id, "agent_version": version})
-            flags = ((wire.SETATTR_MODE if req.mode is not None else 0)
-                     | (wire.SETATTR_MTIME if req.mtime is not None else 0)
+            mtime_flags, mtime_fields = _setattr_mtime(sb.id, path, req.mtime, version)
+            flags = ((wire.SETATTR_MODE if req.mode is not None else 0) | mtime_flags
                      | (wire.SETATTR_FOLLOW if req.follow else 0))
             try:
                 await self._file(sb, "set attributes of", path, wire.SETATTR, wire.bstr(path), wire.u64(flags),
-                                 wire.u64(req.mode or 0), wire.u64(wire.ns_field(req.mtime or 0)))
+                                 wire.u64(req.mode or 0), *mtime_fields)
             except DsecError as err:
                 if err.detail.get("guest_step") != "not a file or directory":
                     raise
@@ -1341,6 +1336,36 @@ def _put_records(pipe, send, max_entries: int, max_bytes: int, room=None,
     record(b"E", "")
     flush(eof=True)
     return seen
+
+
+def _setattr_mtime(sb_id: str, path: str, mtime: float | None, agent_version: int) -> tuple[int, tuple[bytes, ...]]:
+    """A SETATTR's mtime (None: none) as an agent of `agent_version` takes
+    it (csrc/guest/agent.c, do_setattr): its flags, and its fields from the
+    mtime's on. The time is the container backend's, int(mtime * 1e9) ns
+    (wire.mtime_ns). From WIDE_SETATTR_AGENT_VERSION on it goes as signed
+    seconds with the nanoseconds last (SETATTR_TS): any time a time_t holds.
+    An older agent takes signed nanoseconds in 64 bits, which would wrap a
+    time before 1677-09-21 or past 2262-04-11 (2300 became 1715): refused
+    as bad_request, as a copy in refuses it (_mtime_field); one older than
+    TIMES_AGENT_VERSION takes no time before 1970 either."""
+    if mtime is None:
+        return 0, (wire.u64(0),)
+    ns = wire.mtime_ns(mtime)
+    if agent_version >= wire.WIDE_SETATTR_AGENT_VERSION:
+        sec, nsec = divmod(ns, tarsafe.NS)                  # floor: before 1970 too, as os.utime splits it
+        return wire.SETATTR_MTIME | wire.SETATTR_TS, (wire.s64(sec), wire.u64(nsec))
+    where = f"set attributes of {sb_id}:{path}"
+    if ns < 0 and agent_version < wire.TIMES_AGENT_VERSION:
+        raise Unsupported(f"{where}: this microVM's guest agent (version {agent_version}) cannot set an mtime "
+                          f"before 1970 (version {wire.TIMES_AGENT_VERSION} can): recreate the sandbox on this "
+                          "daemon's guest image", {"sandbox": sb_id, "agent_version": agent_version})
+    if not -(2**63) <= ns < 2**63:
+        raise BadRequest(f"{where}: mtime {mtime!r} s since 1970 is outside 1677-09-21 to 2262-04-11, the times "
+                         f"this microVM's guest agent (version {agent_version}) can set (version "
+                         f"{wire.WIDE_SETATTR_AGENT_VERSION} sets any): recreate the sandbox on this daemon's guest "
+                         "image, or give a time in that range",
+                         {"path": path, "mtime": mtime, "agent_version": agent_version})
+    return wire.SETATTR_MTIME, (wire.s64(ns),)
 
 
 def _mtime_field(rel: str, mtime_ns: int | None, agent_version: int) -> bytes:

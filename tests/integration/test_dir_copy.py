@@ -11,6 +11,7 @@ takes seconds to start."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import io
 import os
 import stat
@@ -668,6 +669,19 @@ def test_cli_cp_stdin_sets_the_modes_and_mtimes_of_directories_it_merges_into(da
     assert leftovers(box, "/work/in") == []
 
 
+def test_cli_cp_stdin_gives_a_directory_it_merges_into_a_time_past_2262(daemon, box):
+    """The merge sets an existing directory by file_set_attrs, which refused
+    a time past 2262 that the copy itself sets: the cp failed after its moves."""
+    data = tar_of(({"name": ".", "type": tarfile.DIRTYPE, "mode": 0o750,
+                    "pax_headers": {"mtime": "10413792000.5"}}, None),
+                  ({"name": "new"}, b"new\n")).getvalue()
+    r = daemon.cli("cp", "-", f"{box.id}:/work/in", input=data)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    got = box.exec(["stat", "-c", "%a %Y", "/work/in"]).stdout.decode()
+    assert got == "750 10413792000\n"
+    assert leftovers(box, "/work/in") == []
+
+
 def test_a_copy_in_sets_an_mtime_past_2262_to_the_nanosecond(sandbox):
     """2300-01-01 00:00:00.123456789 UTC: its nanoseconds pass 2**63, where a
     microVM's put records held them, and wrapped to a time before 1970; on
@@ -695,6 +709,20 @@ def test_set_attrs_sets_a_files_or_directorys_mode_and_mtime_and_follows_no_syml
     with pytest.raises(BadRequest, match="give mode, mtime or both"):
         sandbox.set_attrs("/work/f")
     assert sandbox.exec(["stat", "-c", "%a", "/work/f"]).stdout == b"640\n"
+
+
+@pytest.mark.parametrize("mtime", [10413792000.123456789, -11676096000.25])    # 2300-01-01, 1600-01-01
+def test_set_attrs_sets_an_mtime_past_2262_or_before_1677(sandbox, mtime):
+    """Its nanoseconds pass 2**63 either way: file_set_attrs refused such a
+    time, which a container's os.utime takes and a copy in sets; on both
+    backends the file and the directory now get the time os.utime is given."""
+    sandbox.exec(["sh", "-c", "mkdir -p /work/d && echo x > /work/f"])
+    sandbox.set_attrs("/work/f", mtime=mtime)
+    sandbox.set_attrs("/work/d", mtime=mtime, mode=0o750)
+    sec, nsec = divmod(int(mtime * 1e9), 10**9)         # as file_set_attrs sets it
+    when = datetime.datetime(1970, 1, 1) + datetime.timedelta(seconds=sec)
+    got = sandbox.exec(["stat", "-c", "%Y %y", "/work/f", "/work/d"]).stdout.decode()
+    assert got.splitlines() == [f"{sec} {when:%Y-%m-%d %H:%M:%S}.{nsec:09d} +0000"] * 2
 
 
 def test_cli_cp_stdin_into_a_symlink_to_a_directory_sets_the_directorys(daemon, box):

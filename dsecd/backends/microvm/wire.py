@@ -19,9 +19,10 @@ RESIZE = 21
 PROC_START, PROC_LIST, PROC_ATTACH, PROC_INPUT, PROC_KILL, PROC_FORGET = 22, 23, 24, 25, 26, 27
 # an exec's output flow control: u64 OUT data bytes the host has taken of it, in all (EXEC_WINDOW)
 CREDIT = 28
-# a file's or directory's mode and/or mtime (file_set_attrs): path, flags (SETATTR_*), mode, mtime ns
+# a file's or directory's mode and/or mtime (file_set_attrs): path, flags (SETATTR_*), mode, mtime
+# (signed ns; with SETATTR_TS signed seconds, and its nanoseconds, a u64 below 10^9, after every other field)
 SETATTR = 29
-SETATTR_MODE, SETATTR_MTIME, SETATTR_FOLLOW = 1, 2, 4
+SETATTR_MODE, SETATTR_MTIME, SETATTR_FOLLOW, SETATTR_TS = 1, 2, 4, 8
 DISCARD_ALL = 2**64 - 1     # a CREDIT's count saying: the host drops the rest, send it without a window
 # guest -> host
 READY, STARTED, OUT, EXITED, OK, ERR, DATA, TAKEN = 101, 102, 103, 104, 105, 106, 107, 108
@@ -67,6 +68,13 @@ PUT_NO_MTIME = 1 << 63
 # a time outside them is refused to an agent of TIMES_AGENT_VERSION to 12.
 WIDE_TIMES_AGENT_VERSION = 13
 PUT_TS_NO_MTIME = 2**32 - 1
+# The version from which a SETATTR told SETATTR_TS takes its mtime as
+# signed seconds and nanoseconds, any time a time_t holds, as the container
+# backend's os.utime does; an older one (from TIMES_AGENT_VERSION) takes
+# signed nanoseconds in 64 bits, which end in 1677 and 2262 and would wrap
+# a time past them: such a request is refused (engine/microvms.py
+# _setattr_mtime). An older one would ignore the flag: it is not sent.
+WIDE_SETATTR_AGENT_VERSION = 14
 # From version 11 a copy out's tar gives an mtime's fraction in a pax record
 # (an older agent's has whole seconds): nothing the host asks for, it passes
 # the tar on either way.
@@ -97,11 +105,15 @@ def u64(v: int) -> bytes:
     return struct.pack(">Q", v)
 
 
-def ns_field(seconds: float) -> int:
-    """An mtime in seconds as the agent takes it: its nanoseconds (as the
-    container backend's os.utime gets them, int(seconds * 1e9)) in a u64,
-    two's complement before 1970."""
-    return int(seconds * 1e9) & (2**64 - 1)
+def s64(v: int) -> bytes:
+    """A signed field: two's complement in a u64 (struct.error if v does not fit)."""
+    return struct.pack(">q", v)
+
+
+def mtime_ns(seconds: float) -> int:
+    """An mtime in seconds as nanoseconds, as the container backend's
+    os.utime gets them (fs/files.py set_attrs): int(seconds * 1e9)."""
+    return int(seconds * 1e9)
 
 
 def bstr(v: bytes | str) -> bytes:
