@@ -109,7 +109,7 @@ IDEMPOTENT = ("pause", "resume", "renew")
 # or pty): one lost after it was sent goes again, once, with its key, and
 # the daemon answers it with what the first one did (a create's sandbox, an
 # exec's result, the process started, the image made) instead of doing it
-# twice; a streamed exec goes again after each loss output came before,
+# twice; a streamed exec goes again after each loss a frame came before,
 # taking its output up where it stopped (frames_with_id). The SDK gives
 # each one a key of its own (_made_key) where the daemon takes them: a
 # create always, the others where its hello lists "op.keys" (a streamed
@@ -1304,9 +1304,10 @@ class Client:
         # before the loss, if any, is the answer; likewise an exec's result,
         # a process started, a snapshot made: KEYED), or a pause or resume
         # (IDEMPOTENT). Once: lost again, the daemon may be failing on it.
-        # A keyed streamed exec goes again after each loss that output came
-        # before, from the bytes of it that came (`stream_from`): the daemon
-        # sends the rest, and answers `lost` for what it no longer has.
+        # A keyed streamed exec goes again after each loss that a frame came
+        # before (output, or the daemon's `resumed` once it took it up
+        # again), from the bytes of output that came (`stream_from`): the
+        # daemon sends the rest, and answers `lost` for what it no longer has.
         key = args.get("key") if op in KEYED else None
         # A proc_input at an offset: the daemon skips what of it it wrote before.
         again_safe = (op in CHANGES_NOTHING or op in IDEMPOTENT or bool(key)
@@ -1334,7 +1335,7 @@ class Client:
                     raise self._lost_error(err.cause, op, sent=False) from None
             except ConnectionLost:
                 if got is not None and came and self.reconnect and not self._closed:
-                    # Output came since it was sent: the daemon was serving it.
+                    # A frame came since it was sent: the daemon was serving it.
                     args = {**args, "stream_from": list(got)}
                     deadline = None
                 elif ((came and op not in PROGRESS_FRAMES) or resent or not again_safe or not self.reconnect
@@ -2265,6 +2266,8 @@ class ExecStream:
                         return
                     if frame.get("lost"):           # taken up again after a loss, past what the daemon kept
                         lost += frame["lost"]
+                        continue
+                    if "data" not in frame:         # {"resumed": true}: sent again, and taken up
                         continue
                     yield frame["fd"], frame["data"]
         except BaseException as err:

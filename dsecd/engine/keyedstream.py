@@ -168,6 +168,10 @@ class KeyedStream:
         finally:
             self._attaching -= 1
         try:
+            # First, that the daemon took it up: for the SDK, a frame after
+            # its send, so that a further loss sends it again (each loss
+            # after which something came does), a quiet command too.
+            await ctx.emit({"resumed": True})
             if self._ended:
                 await self._replay(ctx, got)
                 return

@@ -974,3 +974,23 @@ def test_a_keyed_streamed_exec_is_refused_with_input():
     for kwargs in ({"stdin": b"x"}, {"pty": True}):
         with pytest.raises(ValueError, match="key is for an exec without stdin or pty"):
             sb.exec_stream("cat", key="k", **kwargs)
+
+
+def test_a_quiet_keyed_streamed_exec_outlives_a_cut_after_each_resume(tmp_path):
+    """No output came, but the daemon said it took the exec up again
+    (`resumed`): a further loss sends it again too."""
+    from dsecd.client import Sandbox
+
+    result = {"result": {"exit_code": 0, "signal": None, "existing": True}}
+    sessions = [[], [{"resumed": True}], [{"resumed": True}, {"fd": 1, "data": b"x"}, result]]
+    path = str(tmp_path / "d.sock")
+    got: list[dict] = []
+
+    async def go():
+        async with await asyncio.start_unix_server(_streaming_stand_in(got, sessions), path):
+            async with Client(path, connect_timeout=5) as c:
+                return await Sandbox(c, "sb1", {}).exec("sleep 9; echo x", on_stdout=lambda d: None, key="k")
+
+    r = asyncio.run(go())
+    assert [a.get("stream_from") for a in got] == [None, None, [0, 0]], got
+    assert (r.stdout, r.exit_code, r.lost_output) == (b"x", 0, 0), r

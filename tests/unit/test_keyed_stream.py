@@ -191,7 +191,8 @@ def test_stdout_and_stderr_sent_again_come_in_the_order_they_were_first_sent():
         return again
 
     again = asyncio.run(go())
-    assert [(f["fd"], f["data"]) for f in again.frames] == [(1, b"a"), (2, b"b"), (1, b"cc"), (2, b"d")]
+    assert again.frames[0] == {"resumed": True}
+    assert [(f["fd"], f["data"]) for f in again.frames[1:]] == [(1, b"a"), (2, b"b"), (1, b"cc"), (2, b"d")]
 
 
 def test_a_request_sent_again_after_the_end_gets_the_rest_then_the_result():
