@@ -389,7 +389,7 @@ async def serve(cfg, args: argparse.Namespace) -> None:
     # pipes for the next daemon.
     await node.procs.quiesce()
     await server.stop()
-    await node.close()
+    await node.close(server.wait_stopped)
     notifier.close()
 
 

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from . import __version__, cgroup, metrics, pinned, protocol
@@ -275,16 +275,23 @@ class Node:
         return {s.id: (s.qos, bool(s.limits.get("cpu_quota"))) for s in self.registry.by_id.values()
                 if s.state == "running"}
 
-    async def close(self) -> None:
-        """Daemon shutdown: stop watching, close fds, leave sandboxes running."""
+    async def close(self, requests_ended: Callable[[float], Awaitable[int]] | None = None) -> None:
+        """Daemon shutdown: stop watching, close fds, leave sandboxes running.
+        `requests_ended(timeout)`: waits for the requests the server's stop
+        cancelled to end (Server.wait_stopped), None when none ran."""
         # A pause or resume under way finishes and writes its record first
         # (a VM's save can take seconds), a cancelled snapshot thaws its
         # sandbox; one that does not end in time is finished or undone by
-        # the next daemon's re-adoption. Keyed requests whose client went
-        # (still running for its return) end as the others did at the
-        # server's stop, and are waited for in the same time: an exec's
-        # group is killed through init's channel, which the stop closes below.
-        keyed, left = await asyncio.gather(self.registry.op_keys.close(STOP_WAIT_S), finish_under_way(STOP_WAIT_S))
+        # the next daemon's re-adoption. The requests the server's stop
+        # cancelled finish their undoing, and keyed requests whose client
+        # went (still running for its return) end as the others did: all
+        # are waited for at once, in the one STOP_WAIT_S, as an exec's group
+        # is killed through init's channel, a copy's temp files are removed
+        # through a worker, and the stop closes both below.
+        waits = [self.registry.op_keys.close(STOP_WAIT_S), finish_under_way(STOP_WAIT_S)]
+        if requests_ended is not None:
+            waits.append(requests_ended(STOP_WAIT_S))     # it logs what it leaves, naming their ops
+        keyed, left, *_ = await asyncio.gather(*waits)
         if left:
             log.warning("stopping with %d pause(s), resume(s) or snapshot(s) still under way after %.0f s; "
                         "the next daemon takes their sandboxes back as it finds them", left, STOP_WAIT_S)

@@ -243,6 +243,7 @@ class Connection:
         self.peer = "?"
         self.client = ""
         self.gone = False      # its client went: the requests still running are cancelled for that
+        self.task = asyncio.current_task()     # what serves it (Server._on_connect), which the stop waits for
         self.cancels: set[int] = set()      # the requests a `cancel` named, while they end
 
     def send_nowait(self, frame: dict) -> None:
@@ -427,7 +428,8 @@ class Connection:
                 f"{len(self.tasks)} requests in flight on this connection (max {self.server.max_requests})",
                 {"max": self.server.max_requests, "in_flight": len(self.tasks)}).to_wire()})
             return
-        task = asyncio.get_running_loop().create_task(self._run(rid, req))
+        # Named by its op: what a stop that could not wait for it logs.
+        task = asyncio.get_running_loop().create_task(self._run(rid, req), name=req.OP)
         self.tasks[rid] = task
         if isinstance(req, (protocol.Exec, protocol.FileTarPut)):
             self.starting.add(rid)
@@ -499,7 +501,8 @@ class Connection:
         # end; those under an idempotency key run on (dsecd/engine/opkeys.py).
         self.gone = True
         for task in list(self.tasks.values()):
-            task.cancel()
+            if not task.cancelling():        # once: a second cancel would cut short the undoing of the first
+                task.cancel()
         if self.tasks:
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         while self.closing:
@@ -604,20 +607,51 @@ class Server:
             self.connections.discard(conn)
 
     async def stop(self) -> None:
+        """Stop serving: no new connection, and every request in flight
+        cancelled (one under an idempotency key runs on until the node's
+        close ends it: OpKeys.close). Their undoing takes loop turns and
+        workers (a streamed exec's group is killed once its pipes' readers
+        have ended, a copy's temp files are removed through a worker, a
+        microVM exec is killed through its guest's agent): `wait_stopped`
+        waits for it."""
         if self._server:
             self._server.close()
         # Every connection's task: one accepted but not yet started never
-        # serves; the others end as their requests do, below.
-        for task in self._connecting:
+        # serves; the others end as their requests do, below. One closing
+        # already (its client went) is left to end: a cancel would cut
+        # short its wait for its requests, cancelling their undoing again,
+        # and its closers (Connection._close).
+        closing = {conn.task for conn in self.connections if conn.gone}
+        for task in self._connecting - closing:
             task.cancel()
         for conn in list(self.connections):
             for task in conn.tasks.values():
-                task.cancel()
+                if not task.cancelling():      # a `cancel` named it: it is undoing already
+                    task.cancel()
             conn.writer.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+    async def wait_stopped(self, timeout: float) -> int:
+        """After `stop`: wait up to `timeout` s for every connection to end,
+        its cancelled requests' undoing done (an exec's process group
+        killed, a copy's temp files removed) and its closers run, before the
+        node's close takes away what they go through (init's channels, the
+        worker pool, the journal). Bounded: an undoing that hangs (a kill
+        through a wedged guest agent, a removal on a hung file system) must
+        not keep the daemon from stopping. How many requests had not ended."""
+        if not self._connecting:
+            return 0
+        _done, pending = await asyncio.wait(set(self._connecting), timeout=timeout)
+        if not pending:
+            return 0
+        ops = sorted(task.get_name() for conn in self.connections for task in conn.tasks.values())
+        log.warning("stopping with %d request(s) (%s) of %d connection(s) not ended %.0f s after they were "
+                    "cancelled; what they started may be left running in their sandboxes (`dsec top` shows it)",
+                    len(ops), ", ".join(ops) or "none: their closes", len(pending), timeout)
+        return len(ops)
 
 
 def _group_id(group: str) -> int | None:

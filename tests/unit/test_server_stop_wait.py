@@ -1,0 +1,144 @@
+"""The daemon's stop cancels the requests in flight, and the node's close
+comes only once their undoing is done (an exec's group killed, a copy's
+temp files removed), since it closes what that undoing goes through (init's
+channels, the worker pool): Server.stop, then Server.wait_stopped, bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from types import SimpleNamespace
+
+from dsecd import protocol
+from dsecd.server import Server
+
+LIMITS = {"max_requests_per_client": 8, "max_connections": 8, "frame_timeout_s": 10, "hello_timeout_s": 10}
+
+
+def _server(tmp_path, handler) -> Server:
+    """A server whose `ping` is `handler`, serving no socket path: a test
+    hands it one end of a socket pair (serve)."""
+    node = SimpleNamespace(routes=lambda: {"ping": handler}, hello_result=lambda: {"server": "stand-in"})
+    return Server(node, str(tmp_path / "dsecd.sock"), "", LIMITS, 1 << 20)
+
+
+async def _serve_ping(server: Server) -> asyncio.StreamWriter:
+    """A client connected to `server` through a socket pair, its `ping` sent
+    after its hello was answered."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    await asyncio.get_running_loop().connect_accepted_socket(server._new_protocol, sock=theirs)
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    writer.write(protocol.encode_frame({"id": 1, "op": "hello", "args": {"protocol": protocol.PROTOCOL_VERSION}}))
+    dec = protocol.FrameDecoder(1 << 20)
+    while not dec.feed(await reader.read(65536)):
+        pass
+    writer.write(protocol.encode_frame({"id": 2, "op": "ping"}))
+    return writer
+
+
+def _undoing_in_turns(events: list[str], started: asyncio.Event, turns: int, undoing: asyncio.Event | None = None):
+    """A handler that runs until cancelled, then undoes over `turns` loop
+    turns (as a streamed exec's kill waits for its pipe readers first);
+    `undoing` is set as that begins."""
+    async def handler(req, ctx) -> dict:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            if undoing is not None:
+                undoing.set()
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            events.append("undone")
+            raise
+        return {}
+    return handler
+
+
+def test_the_stop_waits_for_the_undoing_of_the_requests_it_cancelled(tmp_path):
+    async def scenario() -> tuple[list[str], int]:
+        events: list[str] = []
+        started = asyncio.Event()
+        server = _server(tmp_path, _undoing_in_turns(events, started, 5))
+        client = await _serve_ping(server)
+        await asyncio.wait_for(started.wait(), 10)
+        await server.stop()
+        left = await server.wait_stopped(10)
+        events.append("node closes")         # what the daemon does next (Node.close)
+        client.close()
+        return events, left
+
+    events, left = asyncio.run(scenario())
+    assert events == ["undone", "node closes"]
+    assert left == 0
+
+
+def test_a_cancel_named_request_is_not_cut_short_by_the_stop(tmp_path):
+    """A request whose undoing a `cancel` began is not cancelled again by the
+    stop: a second CancelledError would land in its undoing."""
+    async def scenario() -> list[str]:
+        events: list[str] = []
+        started = asyncio.Event()
+        undoing = asyncio.Event()
+        server = _server(tmp_path, _undoing_in_turns(events, started, 5, undoing))
+        client = await _serve_ping(server)
+        await asyncio.wait_for(started.wait(), 10)
+        client.write(protocol.encode_frame({"id": 3, "op": "cancel", "args": {"target": 2}}))
+        await asyncio.wait_for(undoing.wait(), 10)
+        await server.stop()
+        await server.wait_stopped(10)
+        events.append("node closes")
+        client.close()
+        return events
+
+    assert asyncio.run(scenario()) == ["undone", "node closes"]
+
+
+def test_a_request_whose_client_went_is_not_cut_short_by_the_stop(tmp_path):
+    """A connection whose client went is closing: it cancelled its requests
+    and waits for them. The stop leaves it to that (a cancel of its task
+    would cancel their undoing again) and waits for it too."""
+    async def scenario() -> list[str]:
+        events: list[str] = []
+        started, undoing = asyncio.Event(), asyncio.Event()
+        server = _server(tmp_path, _undoing_in_turns(events, started, 5, undoing))
+        client = await _serve_ping(server)
+        await asyncio.wait_for(started.wait(), 10)
+        client.close()
+        await asyncio.wait_for(undoing.wait(), 10)
+        await server.stop()
+        await server.wait_stopped(10)
+        events.append("node closes")
+        return events
+
+    assert asyncio.run(scenario()) == ["undone", "node closes"]
+
+
+def test_an_undoing_that_does_not_end_is_waited_for_only_so_long(tmp_path, caplog):
+    async def scenario() -> int:
+        started = asyncio.Event()
+        hang = asyncio.Event()
+
+        async def handler(req, ctx) -> dict:
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                await hang.wait()        # a kill through a wedged guest agent
+                raise
+            return {}
+
+        server = _server(tmp_path, handler)
+        client = await _serve_ping(server)
+        await asyncio.wait_for(started.wait(), 10)
+        await server.stop()
+        left = await server.wait_stopped(0.2)
+        hang.set()                       # let it end: the loop closes clean
+        await server.wait_stopped(10)
+        client.close()
+        return left
+
+    with caplog.at_level(logging.WARNING, logger="dsecd.server"):
+        assert asyncio.run(scenario()) == 1
+    assert "1 request(s) (ping) of 1 connection(s) not ended 0 s after they were cancelled" in caplog.text
