@@ -95,8 +95,8 @@ enum {
     M_KILL = 4,    /* signal */
     M_READ = 10,   /* path, offset, length */
     M_WRITE = 11,  /* path, flags, mode, offset (2^64-1: none), data[, owner uid, gid] */
-    M_STAT = 12,   /* path[, flags (STAT_FOLLOW)]: OK stat fields, dev, ino[, a symlink's target] */
-    M_LIST = 13,   /* path, depth */
+    M_STAT = 12,   /* path[, flags (STAT_*)]: OK stat fields (put_stat), dev, ino[, a symlink's target] */
+    M_LIST = 13,   /* path, depth[, flags (LIST_TS)]: OK per entry name, stat fields; count, truncated */
     M_MKDIR = 14,  /* path, parents, mode[, owner uid, gid] */
     M_REMOVE = 15, /* path, recursive */
     M_RENAME = 16, /* src, dst, flags (RENAME_*) */
@@ -153,6 +153,8 @@ enum {
 #define RENAME_OVERWRITE 1u /* M_RENAME flags: replace an existing dst */
 #define RENAME_KEEP_ATTRS 2u /* a regular file replacing one takes its owner, group and mode */
 #define STAT_FOLLOW 1u      /* M_STAT flags: stat what a symlink leads to (inside the root), not the link */
+#define STAT_TS 2u          /* the mtime as signed seconds and a u64 of nanoseconds (put_stat) */
+#define LIST_TS 1u          /* M_LIST flags: each entry's mtime as STAT_TS gives it */
 #define SETATTR_MODE 1u     /* M_SETATTR flags: chmod to its mode */
 #define SETATTR_MTIME 2u    /* set its mtime (and atime) */
 #define SETATTR_FOLLOW 4u   /* a symlink as its last name: what it leads to (inside the root) */
@@ -191,8 +193,12 @@ enum {
  * agent of 9 to 12).
  * 14: M_SETATTR takes SETATTR_TS: its mtime as signed seconds and
  * nanoseconds, any time a time_t holds (the host refuses a time past 64-bit
- * nanoseconds to an older agent, and sends it no such flag). */
-#define AGENT_VERSION 14
+ * nanoseconds to an older agent, and sends it no such flag).
+ * 15: M_STAT takes STAT_TS and M_LIST LIST_TS: the mtime they answer as
+ * signed seconds and nanoseconds, any time a time_t holds (an older agent's
+ * 64-bit nanoseconds wrap a time past 2262 or before 1677; the host sends
+ * the flags to no older agent, which would ignore them). */
+#define AGENT_VERSION 15
 #define MAX_LIST 100000
 
 static int chan = -1;   /* the virtio-serial port */
@@ -2096,14 +2102,24 @@ static const char *type_of(mode_t m)
          : S_ISBLK(m) ? "block" : S_ISFIFO(m) ? "fifo" : S_ISSOCK(m) ? "socket" : "unknown";
 }
 
-static void put_stat(struct buf *b, const struct stat *st)
+/* A file's stat fields: type, size, mode, uid, gid, mtime. The mtime with
+ * `ts` (STAT_TS, LIST_TS): signed seconds, then its nanoseconds (0 to
+ * 10^9-1), any time a time_t holds; else signed nanoseconds, which 64 bits
+ * hold from 1677-09-21 to 2262-04-11 only (a time past them wraps), for a
+ * host that asks for no other form. */
+static void put_stat(struct buf *b, const struct stat *st, int ts)
 {
     put_str(b, type_of(st->st_mode));
     put_u64(b, (uint64_t)st->st_size);
     put_u64(b, st->st_mode & 07777);
     put_u64(b, st->st_uid);
     put_u64(b, st->st_gid);
-    put_u64(b, (uint64_t)st->st_mtim.tv_sec * 1000000000ull + (uint64_t)st->st_mtim.tv_nsec);
+    if (ts) {
+        put_u64(b, (uint64_t)(int64_t)st->st_mtim.tv_sec);
+        put_u64(b, (uint64_t)st->st_mtim.tv_nsec);
+    } else {
+        put_u64(b, (uint64_t)st->st_mtim.tv_sec * 1000000000ull + (uint64_t)st->st_mtim.tv_nsec);
+    }
 }
 
 /* Only regular files are read or written: a FIFO would block the agent, a
@@ -2305,7 +2321,7 @@ static void do_stat(uint32_t id, struct rd *r)
         goto done;
     }
     begin(&out, A_OK, id);
-    put_stat(&out, &st);
+    put_stat(&out, &st, (flags & STAT_TS) != 0);
     /* Then its device and inode numbers: the host records a temporary a
      * copy made by them, and a restarted daemon removes what a path names
      * only if it is still that file (an older host reads no further). */
@@ -2331,8 +2347,9 @@ done:
     free(path);
 }
 
-/* Entries of dir fd into out, names prefixed; recursion down to depth. */
-static int list_into(int fd, const char *prefix, uint64_t depth, uint64_t *count)
+/* Entries of dir fd into out, names prefixed; recursion down to depth;
+ * `ts`: their mtimes as put_stat's seconds and nanoseconds. */
+static int list_into(int fd, const char *prefix, uint64_t depth, int ts, uint64_t *count)
 {
     DIR *d = fdopendir(fd);
     struct dirent *e;
@@ -2353,7 +2370,7 @@ static int list_into(int fd, const char *prefix, uint64_t depth, uint64_t *count
             continue; /* gone meanwhile */
         snprintf(name, sizeof(name), "%s%s", prefix, e->d_name);
         put_str(&out, name);
-        put_stat(&out, &st);
+        put_stat(&out, &st, ts);
         (*count)++;
         if (depth > 1 && S_ISDIR(st.st_mode)) {
             int sub = openat(dirfd(d), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
@@ -2361,7 +2378,7 @@ static int list_into(int fd, const char *prefix, uint64_t depth, uint64_t *count
 
             snprintf(pre, sizeof(pre), "%s/", name);
             if (sub >= 0)
-                list_into(sub, pre, depth - 1, count);
+                list_into(sub, pre, depth - 1, ts, count);
         }
     }
     closedir(d);
@@ -2372,6 +2389,7 @@ static void do_list(uint32_t id, struct rd *r)
 {
     char *path = get_str(r);
     uint64_t depth = get_u64(r), count = 0;
+    uint64_t flags = r->p < r->end ? get_u64(r) : 0; /* an older host sends none */
     int fd;
 
     if (r->bad || depth < 1 || depth > 64) {
@@ -2384,7 +2402,7 @@ static void do_list(uint32_t id, struct rd *r)
         goto done;
     }
     begin(&out, A_OK, id);
-    list_into(fd, "", depth, &count);
+    list_into(fd, "", depth, (flags & LIST_TS) != 0, &count);
     put_u64(&out, count);     /* the count last: the host reads entries until it */
     put_u64(&out, count >= MAX_LIST);
     send_msg(&out);

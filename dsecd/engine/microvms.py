@@ -1104,7 +1104,9 @@ class MicroVMService:
     async def stat_path(self, sb: Sandbox, path: str, follow: bool = False) -> dict:
         """As the container's sbfiles.stat_path: lstat, a symlink with its
         `target` (from an agent of STAT_AGENT_VERSION on); with `follow`
-        what it leads to, inside the guest's root."""
+        what it leads to, inside the guest's root. Its mtime is any time a
+        time_t holds from an agent of WIDE_STAT_AGENT_VERSION on (an older
+        one's wraps past 2262 and before 1677)."""
         path = _check(path, f"stat {sb.id}:{path}")
         version = self.agent(sb).agent_version
         if follow and version < wire.STAT_AGENT_VERSION:
@@ -1113,9 +1115,11 @@ class MicroVMService:
                              f"a symlink (version {wire.STAT_AGENT_VERSION} can): stat the target's own path, "
                              "or recreate the sandbox on this daemon's guest image",
                              {"sandbox": sb.id, "agent_version": version})
-        flags = (wire.u64(wire.STAT_FOLLOW if follow else 0),) if version >= wire.STAT_AGENT_VERSION else ()
-        r = await self._file(sb, "stat", path, wire.STAT, wire.bstr(path), *flags)
-        out = {**r.stat(), "path": path}
+        ts = version >= wire.WIDE_STAT_AGENT_VERSION
+        flags = (wire.STAT_FOLLOW if follow else 0) | (wire.STAT_TS if ts else 0)
+        fields = (wire.u64(flags),) if version >= wire.STAT_AGENT_VERSION else ()
+        r = await self._file(sb, "stat", path, wire.STAT, wire.bstr(path), *fields)
+        out = {**r.stat(ts), "path": path}
         if r.more():
             r.u64(), r.u64()                    # its device and inode numbers (identity)
         if out["type"] == "symlink" and r.more():
@@ -1198,12 +1202,15 @@ class MicroVMService:
                 raise
             return {"size": r.u64()}
         if op == "file_list":
-            r = await self._file(sb, "list", path, wire.LIST, wire.bstr(path), wire.u64(req.depth))
+            # Each mtime as seconds and nanoseconds where the agent can (as stat_path).
+            ts = self.agent(sb).agent_version >= wire.WIDE_STAT_AGENT_VERSION
+            flags = (wire.u64(wire.LIST_TS),) if ts else ()
+            r = await self._file(sb, "list", path, wire.LIST, wire.bstr(path), wire.u64(req.depth), *flags)
             entries = []
             body_end = len(r.body) - 16           # the count and the truncated flag close the body
             while r.at < body_end:
                 name = r.str()
-                entries.append({"name": name, **r.stat()})
+                entries.append({"name": name, **r.stat(ts)})
             r.u64()
             truncated = bool(r.u64())
             entries.sort(key=lambda e: e["name"])

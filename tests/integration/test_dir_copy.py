@@ -725,6 +725,21 @@ def test_set_attrs_sets_an_mtime_past_2262_or_before_1677(sandbox, mtime):
     assert got.splitlines() == [f"{sec} {when:%Y-%m-%d %H:%M:%S}.{nsec:09d} +0000"] * 2
 
 
+@pytest.mark.parametrize("mtime", [10413792000.123456789, -11676096000.25])    # 2300-01-01, 1600-01-01
+def test_stat_and_list_give_an_mtime_past_2262_or_before_1677(sandbox, mtime):
+    """A microVM's agent answered each mtime as 64-bit nanoseconds, which
+    wrapped 2300-01-01 to 1715; both backends now give the float a
+    container's os.stat does: seconds plus nanoseconds * 1e-9."""
+    sandbox.exec(["sh", "-c", "mkdir -p /work/d && echo x > /work/f"])
+    sandbox.set_attrs("/work/f", mtime=mtime)
+    sandbox.set_attrs("/work/d", mtime=mtime)
+    sec, nsec = divmod(int(mtime * 1e9), 10**9)         # as file_set_attrs sets it
+    want = sec + nsec * 1e-9
+    assert [sandbox.stat(p)["mtime"] for p in ("/work/f", "/work/d")] == [want, want]
+    listed = {e["name"]: e["mtime"] for e in sandbox.list_files("/work")}
+    assert listed == {"d": want, "f": want}
+
+
 def test_cli_cp_stdin_into_a_symlink_to_a_directory_sets_the_directorys(daemon, box):
     """As tar -C follows a symlink to the directory it extracts into."""
     box.exec(["sh", "-c", "ln -s in /work/ln && chmod 755 /work/in"])

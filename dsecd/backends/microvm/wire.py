@@ -75,6 +75,15 @@ PUT_TS_NO_MTIME = 2**32 - 1
 # a time past them: such a request is refused (engine/microvms.py
 # _setattr_mtime). An older one would ignore the flag: it is not sent.
 WIDE_SETATTR_AGENT_VERSION = 14
+# The version from which a STAT told STAT_TS and a LIST told LIST_TS (a
+# trailing flags field) answer each mtime as signed seconds and a u64 of
+# nanoseconds (Reader.stat), any time a time_t holds, as a container's
+# os.stat gives it. An older one answers signed nanoseconds in 64 bits,
+# which end in 1677 and 2262: it wraps a time past them (2300-01-01 comes
+# as 1715-06-13), and nothing in the value tells a wrapped time from a
+# true one. An older agent would ignore the flags: they are not sent.
+WIDE_STAT_AGENT_VERSION = 15
+STAT_TS, LIST_TS = 2, 1
 # From version 11 a copy out's tar gives an mtime's fraction in a pax record
 # (an older agent's has whole seconds): nothing the host asks for, it passes
 # the tar on either way.
@@ -207,16 +216,38 @@ class Reader:
     def more(self) -> bool:
         return self.at < len(self.body)
 
-    def stat(self) -> dict:
-        kind, size, mode, uid, gid, mtime_ns = self.str(), self.u64(), self.u64(), self.u64(), self.u64(), self.u64()
-        return {"type": kind, "size": size, "mode": mode, "uid": uid, "gid": gid, "mtime": mtime_seconds(mtime_ns)}
+    def stat(self, ts: bool = False) -> dict:
+        """A file's stat fields (put_stat in agent.c); `ts`: of a request
+        told STAT_TS or LIST_TS, whose mtime is seconds and nanoseconds."""
+        kind, size, mode, uid, gid = self.str(), self.u64(), self.u64(), self.u64(), self.u64()
+        mtime = ts_seconds(self.u64(), self.u64()) if ts else mtime_seconds(self.u64())
+        return {"type": kind, "size": size, "mode": mode, "uid": uid, "gid": gid, "mtime": mtime}
+
+
+def _signed(field: int) -> int:
+    return field - (1 << 64) if field >= 1 << 63 else field
 
 
 def mtime_seconds(field: int) -> float:
-    """The mtime the agent sends as a u64 of nanoseconds (its tv_sec * 10^9 +
-    tv_nsec, two's complement: a time before 1970 is negative), as the float
-    os.stat's st_mtime is for a container's file: seconds plus nanoseconds *
-    1e-9, which is not always the same float as ns / 1e9."""
-    ns = field - (1 << 64) if field >= 1 << 63 else field
-    sec, nsec = divmod(ns, 1_000_000_000)
+    """The mtime an agent older than WIDE_STAT_AGENT_VERSION (or one not
+    told STAT_TS) sends: a u64 of nanoseconds, its tv_sec * 10^9 + tv_nsec
+    in two's complement (before 1970 negative; past 2262 or before 1677
+    wrapped), as seconds_of gives it."""
+    return seconds_of(*divmod(_signed(field), 1_000_000_000))
+
+
+def ts_seconds(sec_field: int, nsec: int) -> float:
+    """The mtime a STAT_TS or LIST_TS answer sends: tv_sec in two's
+    complement and tv_nsec, as seconds_of gives it. A tv_nsec of 10^9 or
+    more is no stat's (the guest is not trusted): ValueError."""
+    if nsec >= 1_000_000_000:
+        raise ValueError(f"guest agent's stat answer gives an mtime of {nsec} nanoseconds past its second, "
+                         "which no file has: the guest is broken or hostile")
+    return seconds_of(_signed(sec_field), nsec)
+
+
+def seconds_of(sec: int, nsec: int) -> float:
+    """A time as the float os.stat's st_mtime is for a container's file:
+    seconds plus nanoseconds * 1e-9 (CPython's fill_time), which is not
+    always the same float as ns / 1e9."""
     return sec + nsec * 1e-9
