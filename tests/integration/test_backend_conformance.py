@@ -604,18 +604,27 @@ def test_a_snapshot_keeps_the_user_xattrs_of_image_files_the_sandbox_changed(box
         layer = sb.snapshot(snap)["layers"][-1]["digest"]
     finally:
         sb.destroy(force=True)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    native.mount_erofs(str(daemon.state / "store" / "blobs" / "sha256" / layer.split(":", 1)[1]), str(mnt))
     try:
-        got = {p.name: {k: os.getxattr(p, k) for k in os.listxattr(p) if k.startswith("user.")}
-               for p in (mnt / "x", *sorted((mnt / "x").iterdir())) if not p.is_char_device()}
+        got = _user_xattrs_in_layer(daemon, layer, tmp_path / "mnt", with_dir=True)
     finally:
-        native.umount(str(mnt))
         for name in (snap, image):
             c.request("image_rm", name=name)
     assert got == {"x": {"user.dir": b"d"}, "chmodded": {"user.note": b"a"},
                    "written": {"user.note": b"w" * 1000}, "moved": {"user.note": b"r"}, "replaced": {}}, got
+
+
+def _user_xattrs_in_layer(daemon, layer: str, mnt, with_dir: bool = False) -> dict[str, dict[str, bytes]]:
+    """The user.* xattrs of /x's entries (and of /x itself, with_dir) in the
+    store's layer blob `layer` (a digest), mounted at `mnt` for the read;
+    whiteouts left out."""
+    mnt.mkdir()
+    native.mount_erofs(str(daemon.state / "store" / "blobs" / "sha256" / layer.split(":", 1)[1]), str(mnt))
+    try:
+        top = (mnt / "x",) if with_dir else ()
+        return {p.name: {k: os.getxattr(p, k) for k in os.listxattr(p) if k.startswith("user.")}
+                for p in (*top, *sorted((mnt / "x").iterdir())) if not p.is_char_device()}
+    finally:
+        native.umount(str(mnt))
 
 
 def test_a_snapshot_keeps_the_user_xattrs_of_files_renamed_from_any_layer(box, daemon, busybox_rootfs,
@@ -648,14 +657,7 @@ def test_a_snapshot_keeps_the_user_xattrs_of_files_renamed_from_any_layer(box, d
             names.append(snap)
         finally:
             sb.destroy(force=True)
-        mnt = tmp_path / "mnt"
-        mnt.mkdir()
-        native.mount_erofs(str(daemon.state / "store" / "blobs" / "sha256" / layer.split(":", 1)[1]), str(mnt))
-        try:
-            got = {p.name: {k: os.getxattr(p, k) for k in os.listxattr(p) if k.startswith("user.")}
-                   for p in sorted((mnt / "x").iterdir()) if not p.is_char_device()}
-        finally:
-            native.umount(str(mnt))
+        got = _user_xattrs_in_layer(daemon, layer, tmp_path / "mnt")
     finally:
         for name in reversed(names):
             c.request("image_rm", name=name)

@@ -111,6 +111,18 @@ def _fill(fs, name: str) -> None:
     assert _free(fs) < 4096 * 2
 
 
+def _refused_before_the_merge(images: ImageStore, dirs: list[str]) -> ImageError:
+    """Flatten `dirs` as "flat": its error, an ENOSPC `io` raised before
+    the merge began writing."""
+    steps = []
+    with pytest.raises(ImageError) as info:
+        images.flatten("app", "flat", lambda _digests: contextlib.nullcontext(dirs), steps.append)
+    err = info.value
+    assert err.code == "io" and (err.detail or {}).get("errno") == "ENOSPC", (err, err.detail)
+    assert "merge" not in {s["step"] for s in steps}, f"the flatten started writing the merged tree: {err}"
+    return err
+
+
 def _nothing_left(images: ImageStore) -> None:
     assert os.listdir(images.scratch) == [], "the flatten left its merged tree in the scratch dir"
     assert os.listdir(images.store.tmp) == [], "the flatten left a layer file in the store's temp dir"
@@ -150,12 +162,7 @@ def test_a_flatten_whose_tree_holds_more_while_merged_is_refused_before_it_write
     finished tree and its layer fit, the tree as it is merged does not."""
     images, dirs = _chain(tmp_path, small_fs, {"b1": FILE, "b2": FILE}, {"a": FILE, "b1": None, "b2": None})
     _leave_free(small_fs, "other-writer", _reserve(small_fs) + 5 * FILE // 2)
-    steps = []
-    with pytest.raises(ImageError) as info:
-        images.flatten("app", "flat", lambda _digests: contextlib.nullcontext(dirs), steps.append)
-    err = info.value
-    assert err.code == "io" and (err.detail or {}).get("errno") == "ENOSPC", (err, err.detail)
-    assert "merge" not in {s["step"] for s in steps}, f"the flatten started writing the merged tree: {err}"
+    err = _refused_before_the_merge(images, dirs)
     assert err.detail["path"] == str(images.scratch) and err.detail["need"] == 3 * FILE, err.detail
     assert f"{3 * FILE} bytes at most while it is written, {FILE} once done" in str(err), err
     _nothing_left(images)
@@ -366,12 +373,7 @@ def test_a_flatten_past_the_free_inodes_is_refused_before_it_writes(tmp_path, fe
     even past what stays free for other writers), or leave none."""
     images, dirs = _swapping_chain(tmp_path, few_inodes)
     _leave_inodes(few_inodes, left)
-    steps = []
-    with pytest.raises(ImageError) as info:
-        images.flatten("app", "flat", lambda _digests: contextlib.nullcontext(dirs), steps.append)
-    err = info.value
-    assert err.code == "io" and (err.detail or {}).get("errno") == "ENOSPC", (err, err.detail)
-    assert "merge" not in {s["step"] for s in steps}, f"the flatten started writing the merged tree: {err}"
+    err = _refused_before_the_merge(images, dirs)
     assert err.detail == {"errno": "ENOSPC", "path": str(images.scratch), "need_inodes": SWAP_NEEDS,
                           "free_inodes": left}, err.detail
     assert f"takes up to {SWAP_NEEDS} inodes in {images.scratch}" in str(err), err

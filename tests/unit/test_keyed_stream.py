@@ -89,6 +89,27 @@ class World:
 
         return self.registry.op_keys.once(self.sb, "exec", req, ctx, run, exec_summary, stream=stream)
 
+    async def cut(self, *items: tuple[int, bytes]) -> _Ctx:
+        """The exec sent, `items` written, then its connection lost: its request's context."""
+        ctx = _Ctx()
+        task = asyncio.ensure_future(self.exec(ctx))
+        for item in items:
+            await self.feed.put(item)
+        await _settle()
+        await _lose(task)
+        return ctx
+
+    async def resend_to_end(self, stream_from: list[int], *items: tuple[int, bytes]) -> tuple[_Ctx, dict]:
+        """The exec sent again from `stream_from`, `items` written, then its
+        end: (the context of the request sent again, its answer)."""
+        ctx = _Ctx()
+        task = asyncio.ensure_future(self.exec(ctx, stream_from))
+        await _settle()
+        for item in items:
+            await self.feed.put(item)
+        await self.feed.put(None)
+        return ctx, await task
+
 
 async def _settle() -> None:
     for _ in range(20):
@@ -106,20 +127,9 @@ def test_the_request_sent_again_gets_the_output_its_client_missed_and_the_comman
     w = World()
 
     async def go():
-        first = _Ctx()
-        task = asyncio.ensure_future(w.exec(first))
-        await w.feed.put((1, b"one "))
-        await w.feed.put((2, b"err "))
-        await w.feed.put((1, b"two "))
-        await _settle()
-        await _lose(task)
+        first = await w.cut((1, b"one "), (2, b"err "), (1, b"two "))
         # Its client got "one " only: "two " and "err " were in flight.
-        again = _Ctx()
-        task = asyncio.ensure_future(w.exec(again, [4, 0]))
-        await _settle()
-        await w.feed.put((1, b"three"))
-        await w.feed.put(None)
-        return first, again, await task
+        return first, *await w.resend_to_end([4, 0], (1, b"three"))
 
     first, again, result = asyncio.run(go())
     assert first.output(1) == b"one two "
@@ -132,18 +142,11 @@ def test_output_written_while_no_request_is_connected_goes_to_the_next():
     w = World()
 
     async def go():
-        first = _Ctx()
-        task = asyncio.ensure_future(w.exec(first))
-        await _settle()
-        await _lose(task)
+        first = await w.cut()
         await w.feed.put((1, b"held"))
         await _settle()
         held = w.feed.empty() and first.output(1) == b""
-        again = _Ctx()
-        task = asyncio.ensure_future(w.exec(again, [0, 0]))
-        await _settle()
-        await w.feed.put(None)
-        await task
+        again, _ = await w.resend_to_end([0, 0])
         return held, first, again
 
     held, first, again = asyncio.run(go())
@@ -156,20 +159,10 @@ def test_what_fell_out_of_the_tail_is_told_as_lost(monkeypatch):
     w = World()
 
     async def go():
-        first = _Ctx()
-        task = asyncio.ensure_future(w.exec(first))
-        for piece in (b"aaaaaaaa", b"bbbbbbbb", b"cccccccc"):
-            await w.feed.put((1, piece))
-        await _settle()
-        await _lose(task)
-        again = _Ctx()
-        task = asyncio.ensure_future(w.exec(again, [0, 0]))
-        await _settle()
-        await w.feed.put(None)
-        await task
-        return again
+        await w.cut((1, b"aaaaaaaa"), (1, b"bbbbbbbb"), (1, b"cccccccc"))
+        return await w.resend_to_end([0, 0])
 
-    again = asyncio.run(go())
+    again, _ = asyncio.run(go())
     # 24 bytes written; whole frames are kept while the rest is at least 8 bytes.
     assert again.lost(1) == 16 and again.output(1) == b"cccccccc"
 
@@ -178,19 +171,10 @@ def test_stdout_and_stderr_sent_again_come_in_the_order_they_were_first_sent():
     w = World()
 
     async def go():
-        task = asyncio.ensure_future(w.exec(_Ctx()))
-        for item in ((1, b"a"), (2, b"bb"), (1, b"cc"), (2, b"d")):
-            await w.feed.put(item)
-        await _settle()
-        await _lose(task)
-        again = _Ctx()
-        task = asyncio.ensure_future(w.exec(again, [0, 1]))
-        await _settle()
-        await w.feed.put(None)
-        await task
-        return again
+        await w.cut((1, b"a"), (2, b"bb"), (1, b"cc"), (2, b"d"))
+        return await w.resend_to_end([0, 1])
 
-    again = asyncio.run(go())
+    again, _ = asyncio.run(go())
     assert again.frames[0] == {"resumed": True}
     assert [(f["fd"], f["data"]) for f in again.frames[1:]] == [(1, b"a"), (2, b"b"), (1, b"cc"), (2, b"d")]
 
@@ -216,18 +200,12 @@ def test_stream_from_past_what_the_exec_wrote_is_refused():
     w = World()
 
     async def go():
-        task = asyncio.ensure_future(w.exec(_Ctx()))
-        await w.feed.put((1, b"abc"))
-        await _settle()
-        await _lose(task)
+        await w.cut((1, b"abc"))
         with pytest.raises(BadRequest, match="stream_from says 4 bytes of fd 1"):
             await w.exec(_Ctx(), [4, 0])
-        task = asyncio.ensure_future(w.exec(_Ctx(), [3, 0]))
-        await _settle()
-        await w.feed.put(None)
-        return await task
+        return await w.resend_to_end([3, 0])
 
-    assert asyncio.run(go())["exit_code"] == 0
+    assert asyncio.run(go())[1]["exit_code"] == 0
 
 
 def test_output_got_under_a_key_this_daemon_does_not_know_is_not_run_again():
@@ -269,9 +247,7 @@ def test_a_cancel_of_the_request_sent_again_ends_the_exec():
     w = World()
 
     async def go():
-        task = asyncio.ensure_future(w.exec(_Ctx()))
-        await _settle()
-        await _lose(task)
+        await w.cut()
         task = asyncio.ensure_future(w.exec(_Ctx("cancel"), [0, 0]))
         await _settle()
         task.cancel()
@@ -344,7 +320,6 @@ def test_an_ended_exec_s_kept_output_holds_no_request_of_its_key():
     assert first() is None and again() is None
 
 
-
 def test_an_exec_that_ends_while_no_request_is_connected_keeps_its_last_output():
     """Output written while no request is attached is kept and the exec goes
     on: it may end (ExecIO then stops reading its pipes soon after), and the
@@ -352,10 +327,7 @@ def test_an_exec_that_ends_while_no_request_is_connected_keeps_its_last_output()
     w = World()
 
     async def go():
-        task = asyncio.ensure_future(w.exec(_Ctx()))
-        await w.feed.put((1, b"sent "))
-        await _settle()
-        await _lose(task)
+        await w.cut((1, b"sent "))
         await w.feed.put((1, b"late"))
         await w.feed.put(None)
         await _settle()
@@ -375,19 +347,12 @@ def test_output_past_the_tail_waits_while_no_request_is_connected(monkeypatch):
     w = World()
 
     async def go():
-        task = asyncio.ensure_future(w.exec(_Ctx()))
-        await w.feed.put((1, b"sent"))
-        await _settle()
-        await _lose(task)
+        await w.cut((1, b"sent"))
         for piece in (b"kep", b"t, ", b"wait"):
             await w.feed.put((1, piece))
         await _settle()
         waits = w.feed.empty() and bool(w.registry.op_keys._running)
-        again = _Ctx()
-        task = asyncio.ensure_future(w.exec(again, [4, 0]))
-        await _settle()
-        await w.feed.put(None)
-        await task
+        again, _ = await w.resend_to_end([4, 0])
         return waits, again
 
     waits, again = asyncio.run(go())
