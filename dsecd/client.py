@@ -1427,7 +1427,10 @@ class Client:
                     # cancel or undo. (Not one that others follow on the
                     # wire, `sent`: an exec's stdin would find no exec. A
                     # chunk of input is: the SDK's feeders await each
-                    # chunk's answer before the next, so it overtakes none.)
+                    # chunk's answer before the next, so it overtakes none.
+                    # Process.write's inputs do not wait: one sent after
+                    # this one may come first, and Process._input sends
+                    # it again once this one ended.)
                     on_wire = False
                     await asyncio.sleep(again)
                     if conn.lost is not None:       # gone meanwhile: it never ran
@@ -2343,6 +2346,8 @@ class Process:
         # what it already wrote. None: unknown (a process taken up by pid, or
         # after a write that failed): inputs go unchecked, once.
         self._stdin_at = stdin_at
+        # Done when the last input sent at an offset has ended (_input).
+        self._last_input: asyncio.Future | None = None
 
     def __repr__(self) -> str:
         return f"<Process {self.pid} in {self.sb.id}>"
@@ -2432,15 +2437,34 @@ class Process:
         args = self._args(data=data) if data else self._args()
         if eof:
             args["eof"] = True
+        before = mine = None
         if self._stdin_at is not None:
             # Taken at the call, in the order the requests go out.
             args["offset"] = self._stdin_at
             self._stdin_at += len(data)
+            before, mine = self._last_input, asyncio.get_running_loop().create_future()
+            self._last_input = mine
         try:
-            await self.sb.client.request("proc_input", **args)
+            try:
+                await self.sb.client.request("proc_input", **args)
+            except Conflict as err:
+                # An input the daemon refused for its in-flight limit goes
+                # again a moment later (Client.frames_with_id), so the one
+                # sent after it can come first and be refused as past the
+                # bytes written: sent again once the one before it ended.
+                taken = err.detail.get("taken")
+                if before is None or not isinstance(taken, int) or taken >= args["offset"]:
+                    raise
+                await asyncio.wait([before])
+                await self.sb.client.request("proc_input", **args)
         except BaseException:
             self._stdin_at = None       # how much of it went in is not known here
             raise
+        finally:
+            if mine is not None:
+                mine.set_result(None)
+                if self._last_input is mine:
+                    self._last_input = None
 
     async def kill(self, signal: int | str = "KILL") -> dict:
         """Signal its process group: a number or a name ("TERM", "SIGINT")."""

@@ -9,8 +9,8 @@ import pytest
 from standin_kit import serving
 
 from dsecd import protocol
-from dsecd.client import Client
-from dsecd.errors import LimitExceeded
+from dsecd.client import Client, Process, Sandbox
+from dsecd.errors import Conflict, LimitExceeded
 
 
 @pytest.mark.parametrize("op,args", [("exec_input", {"exec_id": "e1", "data": b"chunk"}),
@@ -44,3 +44,41 @@ def test_a_refused_request_is_sent_again_input_chunks_too(tmp_path, op, args):
 
     asyncio.run(go())
     assert [f["op"] for f in seen] == [op, op]
+
+
+def test_process_writes_stay_in_order_when_the_first_is_refused_in_flight(tmp_path):
+    """Writes to a Process from tasks of one loop go out at once, each at
+    its offset. The first, refused for the in-flight limit, went again a
+    moment later, after the second had reached the daemon, which refused
+    that one as past the bytes written: the second write failed. It now
+    goes again once the write before it has ended."""
+    sock_path = str(tmp_path / "d.sock")
+    stdin = bytearray()
+    refused = []
+
+    async def like_a_daemon(frame: dict, writer) -> bool:
+        f = frame["args"]
+        if not refused:
+            refused.append(f["offset"])
+            answer = {"error": LimitExceeded("64 requests in flight on this connection (max 64)",
+                                             {"max": 64, "in_flight": 64}).to_wire()}
+        elif f["offset"] > len(stdin):       # as procs._not_written_yet
+            answer = {"error": Conflict(f"input at offset {f['offset']} is past the {len(stdin)} bytes its "
+                                        "stdin took", {"offset": f["offset"], "taken": len(stdin)}).to_wire()}
+        else:
+            stdin.extend(f["data"][len(stdin) - f["offset"]:])
+            answer = {"result": {"pid": 3, "written": len(f["data"])}}
+        writer.write(protocol.encode_frame({"id": frame["id"], **answer}))
+        return False
+
+    async def go():
+        server = await asyncio.start_unix_server(serving(like_a_daemon), sock_path)
+        async with server:
+            async with Client(sock_path) as c:
+                p = Process(Sandbox(c, "sb", {}), 3, stdin_at=0)
+                await asyncio.wait_for(asyncio.gather(*(p.write(b"%d;" % i) for i in range(5))), 10)
+                await asyncio.wait_for(p.write(b"end"), 10)     # the offset is still known
+
+    asyncio.run(go())
+    assert refused == [0]
+    assert bytes(stdin) == b"0;1;2;3;4;end"
