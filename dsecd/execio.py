@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import math
 import os
 import signal
 import struct
@@ -50,6 +51,9 @@ READ_CHUNK = 64 * 1024
 # each side (struct winsize holds unsigned shorts); both backends use them.
 DEFAULT_WINDOW = (24, 80)
 MAX_WINDOW_SIDE = 65535
+# Output a pty may hold for its master beyond what FIONREAD counts (its
+# flip buffers), with room: PtyIO._held.
+PTY_UNSEEN_BYTES = 64 * 1024
 
 
 class ExecIO:
@@ -70,8 +74,13 @@ class ExecIO:
         self.reaped: asyncio.Future | None = None
         self._stdin_q: asyncio.Queue[bytes | None] | None = asyncio.Queue(maxsize=64) if want_stdin else None
         self.stdin_r = self.stdin_w = self.out_r = self.out_w = self.err_r = self.err_w = -1
-        # Time the pumps spent handing output on (emit waiting for a slow
-        # client): not counted in the drain grace (_drain).
+        # Time the pumps spent handing on output written before the exit
+        # (emit waiting for a slow client): not counted in the drain grace
+        # (_drain). Bytes read from each stream, and how many of them were
+        # written before the exit (set as the drain begins: what had been
+        # read and what the pipe held then).
+        self._read = {1: 0, 2: 0}
+        self._owed = {1: math.inf, 2: math.inf}
         self._emitting = 0
         self._emit_began = 0.0
         self._emit_time = 0.0
@@ -164,9 +173,16 @@ class ExecIO:
     async def _drain(self, pumps: list[asyncio.Task], grace: float) -> None:
         """After the exit: read the pipes to their end. Background children
         may hold them open, so reading stops once `grace` s went by, not
-        counting the time output waited to be handed on (emit blocked by a
-        slow client's backpressure): what the process wrote before its exit,
-        still in the pipes, reaches the client however slow its link."""
+        counting the time output written before the exit waited to be handed
+        on (emit blocked by a slow client's backpressure): that output, still
+        in the pipes, reaches the client however slow its link. What comes
+        after the exit (a background child writing on) is read for the grace
+        only, its wait for the client counted: else a child that writes
+        without end to a client slower than it would keep the exec from
+        ending."""
+        for fd, stream in ((self.out_r, 1), (self.err_r, 2)):
+            if fd >= 0:
+                self._owed[stream] = self._read[stream] + self._held(fd)
         left = grace
         while left > 0:
             began, emitted = time.monotonic(), self._emitted_for()
@@ -175,14 +191,27 @@ class ExecIO:
                 return
             left -= (time.monotonic() - began) - (self._emitted_for() - emitted)
 
+    def _held(self, fd: int) -> int:
+        """How many bytes read end `fd` holds, not read yet."""
+        try:
+            return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+        except OSError:
+            return 0
+
     def _emitted_for(self) -> float:
-        """Seconds the pumps have spent in emit so far (at least one of them)."""
+        """Seconds the pumps have spent in emit, of output written before
+        the exit, so far (at least one of them)."""
         now = self._emit_time
         if self._emitting:
             now += time.monotonic() - self._emit_began
         return now
 
     async def _emit(self, stream: int, data: bytes) -> None:
+        owed = self._read[stream] < self._owed[stream]      # written before the exit
+        self._read[stream] += len(data)
+        if not owed:
+            await self.emit(stream, data)
+            return
         if not self._emitting:
             self._emit_began = time.monotonic()
         self._emitting += 1
@@ -295,6 +324,13 @@ class PtyIO(ExecIO):
 
     def child_fds(self) -> tuple[int, int, int]:
         return self.stdin_r, self.stdin_r, self.stdin_r
+
+    def _held(self, fd: int) -> int:
+        """FIONREAD on the master counts only its line discipline's buffer
+        (4 KiB); what the process wrote before its exit may wait before it in
+        the pty's flip buffers too (up to 16 KiB more, measured on Linux
+        6.18), which nothing counts: PTY_UNSEEN_BYTES is counted for them."""
+        return super()._held(fd) + PTY_UNSEEN_BYTES
 
     def resize(self, rows: int, cols: int) -> None:
         """TIOCSWINSZ on the master; the kernel sends SIGWINCH to the

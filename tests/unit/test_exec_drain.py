@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pty
+import tty
 
-from dsecd.execio import ExecIO
+from dsecd.execio import ExecIO, PtyIO
 
 GRACE_S = 0.2
 
@@ -70,3 +72,70 @@ def test_a_pipe_held_open_by_a_background_child_ends_the_reading_after_the_grace
     got, result, took = _run_with(emit_delay=0.0, writes=[b"x"], hold_open=True)
     assert got == b"x" and result["exit_code"] == 0
     assert took < 5.0, took
+
+
+def test_a_background_child_writing_on_ends_the_reading_after_the_grace_for_a_slow_client():
+    """Output that comes after the exit (a background child writing on, as
+    a build's RUN may leave one) is read for the grace only: the time a slow
+    client takes it counts, so the exec ends however long the child writes."""
+    async def go() -> tuple[bytes, dict]:
+        loop = asyncio.get_running_loop()
+        got = bytearray()
+
+        async def emit(_fd: int, data: bytes) -> None:
+            got.extend(data)
+            await asyncio.sleep(0.01)        # a client slower than the child writes
+
+        io = ExecIO(loop, 1 << 62, emit, False)
+        watch = _Watch(loop)
+        os.set_blocking(io.out_w, False)
+        writing = True
+
+        async def child() -> None:
+            while writing:
+                try:
+                    os.write(io.out_w, b"y" * 4096)
+                except BlockingIOError:
+                    pass
+                await asyncio.sleep(0.001)
+
+        writer = asyncio.ensure_future(child())
+        os.write(io.out_w, b"before the exit")
+        await asyncio.sleep(0.05)
+        watch.exited.set_result({"status": 0})
+        try:
+            result = await asyncio.wait_for(io.run(watch, None, GRACE_S), 10)
+        finally:
+            writing = False
+            await writer
+        return bytes(got), result
+
+    got, result = asyncio.run(go())
+    assert got.startswith(b"before the exit") and result["exit_code"] == 0
+    assert result["duration_ms"] < 5000, result
+
+
+def test_output_a_terminal_held_at_the_exit_reaches_a_slow_client():
+    """A pty holds what the process wrote before its exit in buffers
+    FIONREAD does not count (past its first 4 KiB; 8 KiB fits in them without a reader): that output reaches a
+    slow client too."""
+    async def go() -> tuple[bytes, dict]:
+        loop = asyncio.get_running_loop()
+        got = bytearray()
+
+        async def emit(_fd: int, data: bytes) -> None:
+            got.extend(data)
+            await asyncio.sleep(0.3)
+
+        master, slave = pty.openpty()
+        tty.setraw(slave)
+        io = PtyIO(loop, emit, 24, 80, (master, slave))
+        watch = _Watch(loop)
+        os.write(io.stdin_r, b"t" * 8192)
+        io.close_child_ends()
+        watch.exited.set_result({"status": 0})
+        result = await asyncio.wait_for(io.run(watch, None, GRACE_S), 30)
+        return bytes(got), result
+
+    got, result = asyncio.run(go())
+    assert got == b"t" * 8192 and result["exit_code"] == 0
