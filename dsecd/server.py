@@ -533,6 +533,7 @@ class Server:
         self.connections: set[Connection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._connecting: set[asyncio.Task] = set()      # connection tasks (a strong reference each)
+        self._stopped = False
 
     async def start(self) -> None:
         _remove_stale_socket(self.path)
@@ -570,6 +571,12 @@ class Server:
         return framing.FrameProtocol(HELLO_MAX_FRAME, self._connected)
 
     def _connected(self, frames: framing.FrameProtocol) -> None:
+        if self._stopped:
+            # Accepted before the stop closed the socket, made a transport a
+            # loop turn or two after: its requests would run while the node
+            # closes, and an idle client would hold the stop's wait.
+            frames.transport.close()
+            return
         loop = asyncio.get_running_loop()
         writer = asyncio.StreamWriter(frames.transport, frames, None, loop)
         task = loop.create_task(self._on_connect(frames, writer))
@@ -614,6 +621,7 @@ class Server:
         have ended, a copy's temp files are removed through a worker, a
         microVM exec is killed through its guest's agent): `wait_stopped`
         waits for it."""
+        self._stopped = True
         if self._server:
             self._server.close()
         # Every connection's task: one accepted but not yet started never

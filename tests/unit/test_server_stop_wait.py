@@ -142,3 +142,33 @@ def test_an_undoing_that_does_not_end_is_waited_for_only_so_long(tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="dsecd.server"):
         assert asyncio.run(scenario()) == 1
     assert "1 request(s) (ping) of 1 connection(s) not ended 0 s after they were cancelled" in caplog.text
+
+
+def test_a_connection_the_loop_took_up_after_the_stop_is_not_served(tmp_path):
+    """A connection accepted just before the stop reaches the server a loop
+    turn or two later (asyncio makes its transport, then calls
+    connection_made): after the stop it is closed unserved, not answered,
+    and its requests do not run while the node closes."""
+    async def scenario() -> tuple[bytes, int]:
+        ran = []
+
+        async def handler(req, ctx) -> dict:
+            ran.append(req.OP)
+            return {}
+
+        server = _server(tmp_path, handler)
+        await server.stop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        await asyncio.get_running_loop().connect_accepted_socket(server._new_protocol, sock=theirs)
+        reader, writer = await asyncio.open_unix_connection(sock=ours)
+        writer.write(protocol.encode_frame({"id": 1, "op": "hello", "args": {"protocol": protocol.PROTOCOL_VERSION}}))
+        writer.write(protocol.encode_frame({"id": 2, "op": "ping"}))
+        try:
+            got = await asyncio.wait_for(reader.read(65536), 10)
+        except ConnectionError:          # closed under the client's writes: nothing came back
+            got = b""
+        await server.wait_stopped(10)
+        writer.close()
+        return got, len(ran)
+
+    assert asyncio.run(scenario()) == (b"", 0)
