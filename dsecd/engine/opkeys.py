@@ -23,8 +23,9 @@ What is kept, and for how long:
   have done something: its key stays, marked failed (journaled), and
   answers so.
 - At most KEYS_PER_SANDBOX keys of ended requests per sandbox besides
-  those under way, the one that ended first forgotten first, and none past
-  KEY_TTL_S: a key forgotten is free again (a request with it runs anew).
+  those under way, the one that ended first forgotten first, and none
+  KEY_TTL_S after its request ended: a key forgotten is free again (a
+  request with it runs anew).
   A key also goes with its sandbox.
 - A collected exec's whole answer (its output, and its trace if traced) is
   kept in memory, at most KEPT_OUTPUT_BYTES of output and traces over the
@@ -402,8 +403,11 @@ class OpKeys:
         sandbox's ended keys, so the last forgotten however long it ran (a
         key that began first but ended last is still there for the request
         sent again). One too many ended keys, the first ended goes: in
-        memory now, from the journal with the sandbox's next record."""
-        sb.op_keys[key] = sb.op_keys.pop(key)
+        memory now, from the journal with the sandbox's next record. Its
+        KEY_TTL_S counts from now too: a request that ran longer than that
+        is still answered when sent again as it ended."""
+        entry = sb.op_keys[key] = sb.op_keys.pop(key)
+        entry["at"] = self.clock()
         self._trim(sb)
 
     def _forget(self, sb, key: str) -> None:

@@ -162,6 +162,25 @@ def test_a_request_that_began_first_and_ended_last_keeps_its_key():
     assert len(w.sb.op_keys) == KEYS_PER_SANDBOX and "k0" not in w.sb.op_keys and "long" in w.sb.op_keys
 
 
+def test_a_request_that_ran_longer_than_the_ttl_keeps_its_key_after_it_ended():
+    """A key is kept KEY_TTL_S from its request's end, not its beginning: an
+    exec that ran longer than that, sent again as it ended (its link was
+    cut near the end), is answered, not run a second time."""
+    w = World()
+
+    async def go():
+        release = asyncio.Event()
+        long = asyncio.ensure_future(w.exec(["sleep"], "long", until=release))
+        await asyncio.sleep(0)
+        w.clock.now += KEY_TTL_S + 60
+        release.set()
+        first = await long
+        return first, await w.exec(["sleep"], "long")
+
+    first, again = asyncio.run(go())
+    assert again == {**first, "existing": True} and w.runs.count(["sleep"]) == 1, w.runs
+
+
 def test_the_traces_of_keyed_execs_count_against_what_the_daemon_keeps(monkeypatch):
     """A traced exec's answer holds its trace (up to limits.max_trace_bytes,
     1 MiB, of the tracer's JSON) beside its output: kept uncounted, a
