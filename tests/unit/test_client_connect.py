@@ -437,6 +437,18 @@ def _limited_hello(slots: int) -> dict:
     return {"limits": {"max_requests_per_client": slots + client.CONTROL_SLOTS}}
 
 
+async def _requests_after_hello(reader, writer, hello: dict):
+    """A stand-in daemon's side of a connection: the hello answered with
+    `hello`, each request frame after it yielded."""
+    dec = protocol.FrameDecoder(1 << 20)
+    while data := await reader.read(65536):
+        for f in dec.feed(data):
+            if f["op"] == "hello":
+                writer.write(protocol.encode_frame({"id": f["id"], "result": hello}))
+                continue
+            yield f
+
+
 def _stand_in(path: str, servers: list, got: list, hello: dict, goes_after: int | None = None,
               answer=None):
     """A stand-in daemon's connection handler: it answers the hello with
@@ -445,20 +457,15 @@ def _stand_in(path: str, servers: list, got: list, hello: dict, goes_after: int 
     restarting daemon does: its listener (servers[0]) closed and its socket
     removed first, then the connection aborted."""
     async def handle(reader, writer):
-        dec = protocol.FrameDecoder(1 << 20)
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f["op"] == "hello":
-                    writer.write(protocol.encode_frame({"id": f["id"], "result": hello}))
-                    continue
-                got.append(f)
-                if goes_after is not None and len(got) == goes_after:
-                    servers[0].close()
-                    os.unlink(path)
-                    writer.transport.abort()
-                    return
-                if answer is not None:
-                    writer.write(protocol.encode_frame({"id": f["id"], "result": answer(f)}))
+        async for f in _requests_after_hello(reader, writer, hello):
+            got.append(f)
+            if goes_after is not None and len(got) == goes_after:
+                servers[0].close()
+                os.unlink(path)
+                writer.transport.abort()
+                return
+            if answer is not None:
+                writer.write(protocol.encode_frame({"id": f["id"], "result": answer(f)}))
     return handle
 
 
@@ -913,22 +920,17 @@ def _streaming_stand_in(got: list, sessions: list[list[dict]]):
     hello = {"limits": {}, "capabilities": ["op.keys", "op.keys.stream"]}
 
     async def handle(reader, writer):
-        dec = protocol.FrameDecoder(1 << 20)
-        while data := await reader.read(65536):
-            for f in dec.feed(data):
-                if f["op"] == "hello":
-                    writer.write(protocol.encode_frame({"id": f["id"], "result": hello}))
-                    continue
-                if f["op"] != "exec":
-                    continue
-                got.append(f["args"])
-                for payload in sessions[len(got) - 1]:
-                    frame = {"id": f["id"], **payload} if "result" in payload else {"id": f["id"], "stream": payload}
-                    writer.write(protocol.encode_frame(frame))
-                    await writer.drain()
-                if not any("result" in p for p in sessions[len(got) - 1]):
-                    writer.transport.abort()
-                    return
+        async for f in _requests_after_hello(reader, writer, hello):
+            if f["op"] != "exec":
+                continue
+            got.append(f["args"])
+            for payload in sessions[len(got) - 1]:
+                frame = {"id": f["id"], **payload} if "result" in payload else {"id": f["id"], "stream": payload}
+                writer.write(protocol.encode_frame(frame))
+                await writer.drain()
+            if not any("result" in p for p in sessions[len(got) - 1]):
+                writer.transport.abort()
+                return
     return handle
 
 

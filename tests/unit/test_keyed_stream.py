@@ -89,12 +89,17 @@ class World:
 
         return self.registry.op_keys.once(self.sb, "exec", req, ctx, run, exec_summary, stream=stream)
 
-    async def cut(self, *items: tuple[int, bytes]) -> _Ctx:
-        """The exec sent, `items` written, then its connection lost: its request's context."""
-        ctx = _Ctx()
+    async def start(self, ctx: _Ctx, *items: tuple[int, bytes] | None) -> asyncio.Future:
+        """The exec sent by request `ctx`, `items` written (None: its end): its answer to come."""
         task = asyncio.ensure_future(self.exec(ctx))
         for item in items:
             await self.feed.put(item)
+        return task
+
+    async def cut(self, *items: tuple[int, bytes]) -> _Ctx:
+        """The exec sent, `items` written, then its connection lost: its request's context."""
+        ctx = _Ctx()
+        task = await self.start(ctx, *items)
         await _settle()
         await _lose(task)
         return ctx
@@ -184,10 +189,7 @@ def test_a_request_sent_again_after_the_end_gets_the_rest_then_the_result():
 
     async def go():
         first = _Ctx()
-        task = asyncio.ensure_future(w.exec(first))
-        await w.feed.put((1, b"all of it"))
-        await w.feed.put(None)
-        answer = await task
+        answer = await (await w.start(first, (1, b"all of it"), None))
         again = _Ctx()
         return answer, again, await w.exec(again, [4, 0])
 
@@ -277,8 +279,7 @@ def test_a_request_whose_output_another_request_of_its_key_took_over_is_told_so(
 
     async def go():
         first = _Ctx()
-        task = asyncio.ensure_future(w.exec(first))
-        await w.feed.put((1, b"one "))
+        task = await w.start(first, (1, b"one "))
         await _settle()
         second = _Ctx()
         again = asyncio.ensure_future(w.exec(second))
@@ -306,10 +307,7 @@ def test_an_ended_exec_s_kept_output_holds_no_request_of_its_key():
 
     async def go():
         first = _Ctx()
-        task = asyncio.ensure_future(w.exec(first))
-        await w.feed.put((1, b"all of it"))
-        await w.feed.put(None)
-        await task
+        await (await w.start(first, (1, b"all of it"), None))
         again = _Ctx()
         await w.exec(again, [4, 0])
         return weakref.ref(first), weakref.ref(again), again.output(1)
@@ -378,9 +376,7 @@ def test_the_request_sent_again_takes_the_output_over_from_a_connection_that_sto
 
     async def go():
         first = _StuckCtx()
-        task = asyncio.ensure_future(w.exec(first))
-        await w.feed.put((1, b"one "))
-        await w.feed.put((1, b"two "))
+        task = await w.start(first, (1, b"one "), (1, b"two "))
         await first.stuck.wait()
         again = _Ctx()
         resent = asyncio.ensure_future(w.exec(again, [4, 0]))
