@@ -499,6 +499,17 @@ def _made_key() -> str:
     return f"sdk-{secrets.token_hex(10)}"
 
 
+def _with_key(args: dict, key: str | None, make: bool) -> bool:
+    """Put idempotency key `key` in a request's `args`, or, given none and
+    `make` (the daemon takes one), a key the SDK makes: whether it made it."""
+    made = make and key is None
+    if made:
+        key = _made_key()
+    if key is not None:
+        args["key"] = key
+    return made
+
+
 def _sent_or_not(op: str, sent: bool, key: str | None = None) -> str:
     """What a lost connection leaves open of `op` (sent with idempotency key
     `key`, if any), for its error: whether it may have run (`sent`), or that
@@ -2673,11 +2684,8 @@ class Sandbox:
                              "or part of it be lost")
         args = self._exec_args(argv, env, cwd, user, timeout, stdin is not None, True, trace, pty, rows, cols,
                                policy)
-        if (key is None and stdin is None and not pty and self.client.key_execs
-                and "op.keys.stream" in self.client.server.get("capabilities", ())):
-            key = _made_key()
-        if key is not None:
-            args["key"] = key
+        _with_key(args, key, stdin is None and not pty and self.client.key_execs
+                  and "op.keys.stream" in self.client.server.get("capabilities", ()))
         return ExecStream(self, args, stdin)
 
     async def spawn(self, argv: Command, env: dict | None = None, cwd: str | None = None,
@@ -2705,11 +2713,7 @@ class Sandbox:
         one the SDK makes where the daemon takes keys for it (its hello
         lists "op.keys"), so that a lost connection sends it again instead
         of leaving its outcome unknown."""
-        made_key = make_key and key is None and "op.keys" in self.client.server.get("capabilities", ())
-        if made_key:
-            key = _made_key()
-        if key is not None:
-            args["key"] = key
+        made_key = _with_key(args, key, make_key and "op.keys" in self.client.server.get("capabilities", ()))
         # Lost and not answered again, its ConnectionLost names the key (lost_after_sending).
         if op == "snapshot":
             r = await self.client._with_progress(op, args, progress)

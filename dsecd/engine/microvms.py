@@ -1395,7 +1395,7 @@ def _mtime_field(rel: str, mtime_ns: int | None, agent_version: int) -> bytes:
                 f"1677-09-21 to 2262-04-11, the times this microVM's guest agent (version {agent_version}) "
                 f"can set (version {wire.WIDE_TIMES_AGENT_VERSION} sets any): recreate the sandbox on this "
                 "daemon's guest image, or give the entry a time in that range")
-        return struct.pack(">q", mtime_ns)
+        return wire.s64(mtime_ns)
     return struct.pack(">Q", 2**64 - 1 if mtime_ns is None else max(0, mtime_ns // tarsafe.NS))
 
 

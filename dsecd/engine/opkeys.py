@@ -212,8 +212,6 @@ class OpKeys:
         Cancelled, its key says so; ended by a stop, the key stays as
         journaled: begun, its end unknown to the next daemon."""
         stream = self._streams.get(at)
-        if stream is not None and resent_from is not None:
-            stream.check(resent_from)
         self._waiting[at] = self._waiting.get(at, 0) + 1
         if (timer := self._orphans.pop(at, None)) is not None:
             timer.cancel()
@@ -277,8 +275,8 @@ class OpKeys:
         if task.cancelled():
             if entry is not None:
                 self._ended_last(sb, at[1])
-            if entry is not None and entry.get("cancelled"):
-                self._save(sb)
+                if entry.get("cancelled"):
+                    self._save(sb)
             fut.set_result(None)
             return
         if (err := task.exception()) is not None:

@@ -59,10 +59,15 @@ def data_size(path: Path) -> int | None:
         f.seek(SUPER_OFFSET)
         sb = f.read(40)
         length = os.fstat(f.fileno()).st_size
-    if len(sb) < 40 or int.from_bytes(sb[0:4], "little") != SUPER_MAGIC or not 9 <= sb[12] <= 16:
+    if len(sb) < 40 or not _is_superblock(sb):
         return None
     n = int.from_bytes(sb[36:40], "little") << sb[12]
     return n if 0 < n <= length else None
+
+
+def _is_superblock(sb: bytes) -> bool:
+    """The start of an EROFS superblock: its magic, and a block size (log2 at +12) of 512 B to 64 KiB."""
+    return int.from_bytes(sb[0:4], "little") == SUPER_MAGIC and 9 <= sb[12] <= 16
 
 
 def stamp_uuid(path: Path, cancelled: threading.Event | None = None) -> bytes:
@@ -83,7 +88,7 @@ def stamp_uuid(path: Path, cancelled: threading.Event | None = None) -> bytes:
     with open(path, "r+b") as f:
         f.seek(SUPER_OFFSET)
         sb = bytearray(f.read(SUPER_UUID + 16))
-        if len(sb) < SUPER_UUID + 16 or int.from_bytes(sb[0:4], "little") != SUPER_MAGIC or not 9 <= sb[12] <= 16:
+        if len(sb) < SUPER_UUID + 16 or not _is_superblock(sb):
             raise OSError(errno.EINVAL, f"{path} holds no EROFS superblock")
         if any(sb[SUPER_UUID:SUPER_UUID + 16]):
             raise OSError(errno.EINVAL, f"{path} already has a uuid")
