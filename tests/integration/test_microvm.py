@@ -539,7 +539,7 @@ def test_a_restored_vms_pause_is_not_charged_its_templates_pages(daemon_factory,
     private mapping of the template's memfd: each read of a page the
     template never wrote (a hole) made the page in the memfd, charged to
     the first sandbox paused (~140 MiB for a 256M guest), which kept the
-    charge (unreclaimable without swap) after its resume, against its
+    charge (the LRU does not reclaim it without swap) after its resume, against its
     memory limit. The daemon makes those pages itself before the save."""
     _, c = _templated_daemon(daemon_factory, busybox_rootfs)
     try:
@@ -562,16 +562,36 @@ def test_a_restored_vms_pause_is_not_charged_its_templates_pages(daemon_factory,
         c.close()
 
 
+def _template_memfd(d: Daemon) -> str:
+    """The /proc path of daemon `d`'s fd of its one loaded template's RAM."""
+    fds = f"/proc/{d.proc.pid}/fd"
+    for name in os.listdir(fds):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"{fds}/{name}").startswith("/memfd:dsec-vm-template"):
+                return f"{fds}/{name}"
+    raise AssertionError(f"dsecd {d.proc.pid} holds no template memfd")
+
+
 def test_info_says_what_each_loaded_template_holds(daemon_factory, busybox_rootfs):
     """A loaded template's memfd is memory of the daemon's, charged to no
     sandbox: the guest RAM its boot wrote, and its whole guest RAM from the
     first pause of a VM restored from it on. Nothing a user could ask said
-    how much; `dsec info` lists each template and what it holds now."""
+    how much; `dsec info` lists each template and what it holds now.
+
+    "Now" moves: the pages a pause's fill made are clean zeros, which host
+    reclaim that reaches them (this host's DAMON pageout) frees without
+    swap. Once the template's only VM is paused nothing makes pages in the
+    memfd, so what it holds only falls: each figure is checked against the
+    memfd's own size read just before and just after it."""
     d, c = _templated_daemon(daemon_factory, busybox_rootfs)
     try:
         sb = _vm(c)
         try:
             assert sb.inspect()["vm"]["ram"] == "private"       # restored from its template
+            memfd = _template_memfd(d)
+
+            def held_now() -> int:
+                return os.stat(memfd).st_blocks * 512
 
             def loaded() -> tuple[dict, dict]:
                 store = c.info()["backends"]["microvm"]["template_store"]
@@ -580,13 +600,26 @@ def test_info_says_what_each_loaded_template_holds(daemon_factory, busybox_rootf
                 return store, rows[0]
 
             store, row = loaded()
-            assert 0 < row["held_bytes"] < row["memory"], row
-            assert store["held_bytes"] == row["held_bytes"], store
+            before_pause = row["held_bytes"]
+            assert 0 < before_pause < row["memory"], row
+            assert store["held_bytes"] == before_pause, store
             sb.pause()
+            most = held_now()
             store, row = loaded()
-            assert row["held_bytes"] == row["memory"] == store["held_bytes"], store
+            least = held_now()
+            assert least <= row["held_bytes"] <= most and store["held_bytes"] == row["held_bytes"], (least, most, store)
+            assert row["held_bytes"] > before_pause, (before_pause, row)      # the pause made the holes' pages
+            most = held_now()
             text = d.cli("info").stdout.decode()
-            assert f"{row['key'][:16]}  guest RAM 256.0M" in text and "(all of its guest RAM)" in text, text
+            least = held_now()
+            line = next((ln for ln in text.splitlines() if f"{row['key'][:16]}  guest RAM 256.0M" in ln), None)
+            assert line is not None, text
+            said = float(line.split("holds ")[1].split("M")[0]) * (1 << 20)
+            assert least - (1 << 20) / 10 <= said <= most + (1 << 20) / 10, (least, most, line)
+            if least >= row["memory"]:
+                assert line.endswith("(all of its guest RAM)"), line
+            elif most < row["memory"]:
+                assert not line.endswith("(all of its guest RAM)"), line
         finally:
             sb.destroy(force=True)
     finally:

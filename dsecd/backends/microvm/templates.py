@@ -299,7 +299,7 @@ class TemplateStore:
         private mapping of the memfd, and a read of a hole makes the page in
         the memfd (shmem: it stays there, for every VM of the template, as
         long as the memfd does). Made by that QEMU, they would be charged
-        to the sandbox paused first, unreclaimable without swap, kept after
+        to the sandbox paused first, left by the LRU without swap, kept after
         its resume against its memory limit, and counted as its own.
         Only that accounting depends on it: a failure is logged and 0
         returned, and the save goes on."""
@@ -393,7 +393,13 @@ class TemplateStore:
         """Each template on disk. `ram_data_bytes`: the RAM its boot wrote
         (its file's data); `held_bytes`: what its memfd holds in memory now
         (0 if not loaded): the whole guest RAM from the first pause of a VM
-        restored from it on (fill_holes)."""
+        restored from it on (fill_holes), less what host reclaim freed
+        since. The pages fill_holes makes are clean (read faults of holes:
+        zeros, never written), and reclaim that reaches them frees them
+        without swap (shrink_folio_list drops a clean shmem folio; DAMON's
+        pageout does, the LRU's skips swap-backed pages when there is no
+        swap); the memfd's st_blocks falls with it. The next pause makes
+        them again."""
         out = []
         with self._lock:
             held = {k: os.fstat(t.ram_fd).st_blocks * 512 if t.ram_fd >= 0 else 0 for k, t in self._loaded.items()}
