@@ -35,6 +35,7 @@ from .errors import (
     PermissionDenied,
     Unsupported,
 )
+from .onloop import cancel_once
 
 log = logging.getLogger(__name__)
 # The largest frame before a connection's hello is done: a hello is a few
@@ -501,8 +502,7 @@ class Connection:
         # end; those under an idempotency key run on (dsecd/engine/opkeys.py).
         self.gone = True
         for task in list(self.tasks.values()):
-            if not task.cancelling():        # once: a second cancel would cut short the undoing of the first
-                task.cancel()
+            cancel_once(task)               # one a `cancel` or the stop named is undoing already
         if self.tasks:
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         while self.closing:
@@ -634,8 +634,7 @@ class Server:
             task.cancel()
         for conn in list(self.connections):
             for task in conn.tasks.values():
-                if not task.cancelling():      # a `cancel` named it: it is undoing already
-                    task.cancel()
+                cancel_once(task)               # one a `cancel` named is undoing already
             conn.writer.close()
         try:
             os.unlink(self.path)

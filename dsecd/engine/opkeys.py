@@ -57,6 +57,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import MISSING, fields
 
 from ..errors import BadRequest, Conflict, DsecError
+from ..onloop import cancel_once
 from .keyedstream import KeyedStream
 
 KEYS_PER_SANDBOX = 32
@@ -237,10 +238,7 @@ class OpKeys:
             if why != "gone" and (task := self._tasks.get(at)) is not None:
                 if why == "cancel" and (entry := sb.op_keys.get(at[1])) is not None:
                     entry["cancelled"] = "cancel"
-                # Once: a second cancel would cut short the undoing the
-                # first began (close() may have cancelled it already).
-                if not task.cancelling():
-                    task.cancel()
+                cancel_once(task)          # close() may have cancelled it already
                 # Its undoing (a snapshot's sandbox thawed, an exec's group
                 # killed) is over before the request's own end is told, as
                 # when it ran in the request.
@@ -433,8 +431,7 @@ class OpKeys:
         self._orphans.clear()
         tasks = set(self._tasks.values())
         for task in tasks:
-            if not task.cancelling():         # one its request's stop cancelled is undoing already
-                task.cancel()
+            cancel_once(task)                 # one its request's stop cancelled is undoing already
         if not tasks:
             return 0
         _done, pending = await asyncio.wait(tasks, timeout=timeout)
