@@ -36,6 +36,7 @@ from .errors import (
     Unsupported,
 )
 from .onloop import cancel_once
+from .turns import Turn, Turns
 
 log = logging.getLogger(__name__)
 # The largest frame before a connection's hello is done: a hello is a few
@@ -210,14 +211,14 @@ class RequestContext:
         return await self.conn.started(rid, self.conn.inputs)
 
 
-class _StartGate:
+class _StartGate(Turn):
     """Where requests feeding request N wait while N has not registered
-    what takes their data (Connection.started)."""
+    what takes their data (Connection.started): `begun` is set once it
+    did, or ended."""
 
     def __init__(self):
+        super().__init__()
         self.begun = asyncio.Event()
-        self.lock = asyncio.Lock()
-        self.users = 0
 
 
 class Connection:
@@ -231,7 +232,7 @@ class Connection:
         # file_tar_put) and have not registered what takes it yet, and the
         # gates those later requests wait at (started).
         self.starting: set[int] = set()
-        self.gates: dict[int, _StartGate] = {}
+        self.gates: Turns[int, _StartGate] = Turns(_StartGate)
         self.inputs: dict[int, object] = {}
         self.closing: dict[object, Callable[[], Awaitable[None]]] = {}   # RequestContext.at_close
         self.loop = asyncio.get_running_loop()
@@ -394,22 +395,14 @@ class Connection:
         one that comes while earlier ones still wait queues behind them),
         so input sent in order is taken in order: each caller queues its
         data before it yields again."""
-        gate = self.gates.get(rid)
-        if gate is None:
+        if self.gates.get(rid) is None:
             found = registry.get(rid)
             if found is not None or rid not in self.starting:
                 return found
-            gate = self.gates[rid] = _StartGate()
-        gate.users += 1
-        try:
-            async with gate.lock:
-                if rid in self.starting:
-                    await gate.begun.wait()
-                return registry.get(rid)
-        finally:
-            gate.users -= 1
-            if not gate.users and self.gates.get(rid) is gate:
-                del self.gates[rid]
+        async with self.gates.taken(rid) as gate:
+            if rid in self.starting:
+                await gate.begun.wait()
+            return registry.get(rid)
 
     def _dispatch(self, frame: dict) -> None:
         try:

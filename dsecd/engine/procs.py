@@ -62,6 +62,7 @@ from ..execio import READ_CHUNK, _decode_status, parse_signal
 from ..fds import close_quietly, read_ready
 from ..fs import users
 from ..initlink import KILLED, InitExec, InitLink, start_strings
+from ..turns import Turn, Turns
 from .denials import DenialService
 from .execs import exec_target, request_user
 from .policies import PolicyService
@@ -327,7 +328,7 @@ class ProcessService:
         self._seats_moved: asyncio.Event | None = None       # set as one moves, while a stop waits (quiesce)
         # (sandbox id, pid) -> the queue of the inputs that came for the
         # process and have not yet taken its stdin_lock (_stdin_in_turn).
-        self._input_turns: dict[tuple[str, int], _Turn] = {}
+        self._input_turns: Turns[tuple[str, int], Turn] = Turns(Turn)
         self.vm = VmProcs(self)
 
     # ------------------------------------------------------------ start
@@ -657,19 +658,9 @@ class ProcessService:
         waits for it and one that came just after does not, so without
         this queue the later one could reach the lock first."""
         sb = self.registry.get(req.sandbox, req)
-        key = (sb.id, req.pid)
-        turn = self._input_turns.get(key)
-        if turn is None:
-            turn = self._input_turns[key] = _Turn()
-        turn.users += 1
-        try:
-            async with turn.lock:
-                sb, proc = await self._found(req)
-                await proc.stdin_lock.acquire()
-        finally:
-            turn.users -= 1
-            if not turn.users and self._input_turns.get(key) is turn:
-                del self._input_turns[key]
+        async with self._input_turns.taken((sb.id, req.pid)):
+            sb, proc = await self._found(req)
+            await proc.stdin_lock.acquire()
         try:
             yield sb, proc
         finally:
@@ -1023,16 +1014,6 @@ class _Seat:
     def sent_all(self) -> bool:
         """Waiting for output past all the ring holds (or for the process's end)."""
         return self.waiting and self.pos >= self.proc.ring.written
-
-
-class _Turn:
-    """The inputs of one process on their way to its stdin_lock, in the
-    order they came (asyncio.Lock wakes its waiters first come, first
-    served); `users`: how many hold or wait for it (0: it goes)."""
-
-    def __init__(self):
-        self.lock = asyncio.Lock()
-        self.users = 0
 
 
 def _input_sent(proc: BgProc, sending: asyncio.Task) -> None:
