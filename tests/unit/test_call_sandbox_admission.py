@@ -5,23 +5,16 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from journal_kit import MemoryJournal
 
 from dsecd.engine.creates import CreateService
 from dsecd.engine.sandboxes import SandboxRegistry
 from dsecd.errors import Busy
 
 
-class _Journal:
-    def write(self, sb_id, record):
-        pass
-
-    def delete(self, sb_id):
-        pass
-
-
 def _service(max_sandboxes: int, queued: int, cpu_busy: bool = False) -> CreateService:
     svc = CreateService.__new__(CreateService)
-    svc.registry = SandboxRegistry(_Journal())
+    svc.registry = SandboxRegistry(MemoryJournal())
     svc.limits = {"max_sandboxes": max_sandboxes}
     svc.admission = SimpleNamespace(queued=queued)
     svc.adm_cfg = {"full_retry_after_s": 2.5}

@@ -10,6 +10,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+from journal_kit import MemoryJournal
 
 from dsecd.admission import CreateQueue
 from dsecd.engine import memory as memory_mod
@@ -19,14 +20,6 @@ from dsecd.engine.memory import MemoryService
 from dsecd.engine.sandboxes import Sandbox, SandboxRegistry
 from dsecd.errors import Conflict, NotFound
 from dsecd.mem import pause
-
-
-class _Journal:
-    def write(self, key, record):
-        pass
-
-    def write_many(self, items):
-        pass
 
 
 class _Workers:
@@ -47,7 +40,7 @@ class World:
     for `made` (a slow create: its image pulled, its layers mounted)."""
 
     def __init__(self, monkeypatch, *sbs: Sandbox):
-        self.registry = SandboxRegistry(_Journal())
+        self.registry = SandboxRegistry(MemoryJournal())
         for sb in sbs:
             self.registry.add(sb)
         self.workers = _Workers()

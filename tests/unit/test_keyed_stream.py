@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from journal_kit import MemoryJournal
 
 from dsecd import protocol
 from dsecd.engine import keyedstream
@@ -16,14 +17,6 @@ from dsecd.engine.keyedstream import KeyedStream
 from dsecd.engine.opkeys import OpKeys
 from dsecd.engine.sandboxes import Sandbox, SandboxRegistry
 from dsecd.errors import BadRequest, Conflict
-
-
-class _Journal:
-    def write(self, key, record):
-        pass
-
-    def delete(self, key):
-        pass
 
 
 class _Ctx:
@@ -64,7 +57,7 @@ class World:
     """One sandbox, and an exec whose run writes what `feed` gives it."""
 
     def __init__(self):
-        self.registry = SandboxRegistry(_Journal())
+        self.registry = SandboxRegistry(MemoryJournal())
         self.registry.op_keys = OpKeys(self.registry)
         self.sb = Sandbox(id="sb1", image="busybox", state="running", created=0.0,
                           limits={"cpu": 1.0, "memory": 1 << 20})

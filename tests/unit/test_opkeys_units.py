@@ -11,6 +11,7 @@ import time
 import types
 
 import pytest
+from journal_kit import MemoryJournal
 
 from dsecd import protocol
 from dsecd.engine import opkeys
@@ -19,17 +20,6 @@ from dsecd.engine.opkeys import KEY_TTL_S, KEYS_PER_SANDBOX, OpKeys
 from dsecd.engine.procs import _not_written_yet
 from dsecd.engine.sandboxes import Sandbox, SandboxRegistry
 from dsecd.errors import BadRequest, Conflict
-
-
-class _Journal:
-    def __init__(self):
-        self.records: dict[str, dict] = {}
-
-    def write(self, key, record):
-        self.records[key] = record
-
-    def delete(self, key):
-        self.records.pop(key, None)
 
 
 class _Ctx:
@@ -52,7 +42,7 @@ class _Clock:
 
 class World:
     def __init__(self):
-        self.journal = _Journal()
+        self.journal = MemoryJournal()
         self.registry = SandboxRegistry(self.journal)
         self.clock = _Clock()
         self.registry.op_keys = OpKeys(self.registry, self.clock)

@@ -5,22 +5,12 @@ import math
 import random
 
 import pytest
+from journal_kit import MemoryJournal
 
 from dsecd.cpu import admission
 from dsecd.engine.sandboxes import Sandbox, SandboxRegistry
 
 GiB = 1 << 30
-
-
-class Journal:
-    def __init__(self):
-        self.deleted = []
-
-    def write(self, sb_id, record):
-        pass
-
-    def delete(self, sb_id):
-        self.deleted.append(sb_id)
 
 
 def _sb(i: int, cpu: float, memory: int, state: str = "running") -> Sandbox:
@@ -33,7 +23,7 @@ def _scan(reg: SandboxRegistry) -> admission.Requested:
 
 
 def test_requested_follows_add_die_destroy_and_failed_creates():
-    reg = SandboxRegistry(Journal())
+    reg = SandboxRegistry(MemoryJournal())
     a, b, c = _sb(1, 0.1, GiB), _sb(2, 0.2, 2 * GiB), _sb(3, 1.5, GiB, state="creating")
     for sb in (a, b, c):
         reg.add(sb)
@@ -51,7 +41,7 @@ def test_requested_follows_add_die_destroy_and_failed_creates():
 def test_a_sandbox_that_dies_during_its_destroy_is_counted_off_once():
     """Its init may exit while the destroy awaits (mark_dead, then remove):
     the live count must not go wrong for good."""
-    reg = SandboxRegistry(Journal())
+    reg = SandboxRegistry(MemoryJournal())
     a, b = _sb(1, 0.5, GiB), _sb(2, 0.5, GiB)
     reg.add(a)
     reg.add(b)
@@ -62,7 +52,7 @@ def test_a_sandbox_that_dies_during_its_destroy_is_counted_off_once():
 
 def test_adding_a_sandbox_again_replaces_its_count():
     """A re-added id (a record read back) counts once, with its latest limits."""
-    reg = SandboxRegistry(Journal())
+    reg = SandboxRegistry(MemoryJournal())
     reg.add(_sb(1, 0.5, GiB))
     reg.add(_sb(1, 2.0, 2 * GiB))
     assert reg.requested() == admission.Requested(cpu=2.0, memory=2 * GiB, sandboxes=1)
@@ -71,7 +61,7 @@ def test_adding_a_sandbox_again_replaces_its_count():
 def test_a_held_call_sandbox_counts_as_a_live_one_until_released():
     """FnCall's call sandboxes are not in by_id, yet take a slot of
     max_sandboxes and their CPU and memory, shown apart."""
-    reg = SandboxRegistry(Journal())
+    reg = SandboxRegistry(MemoryJournal())
     reg.add(_sb(1, 0.5, GiB))
     reg.hold("fn-0123456789", 2.0, 2 * GiB)
     reg.hold("fn-0123456789", 2.0, 2 * GiB)          # again: counted once
@@ -85,7 +75,7 @@ def test_a_held_call_sandbox_counts_as_a_live_one_until_released():
 def test_requested_equals_a_scan_after_many_random_changes():
     """Fractional CPUs added and taken away many times leave no drift."""
     rng = random.Random(3)
-    reg = SandboxRegistry(Journal())
+    reg = SandboxRegistry(MemoryJournal())
     live: list[Sandbox] = []
     for i in range(5000):
         roll = rng.random()
@@ -121,7 +111,7 @@ def test_a_request_on_a_destroyed_sandbox_says_it_was_destroyed_and_why(reason, 
     there is no such sandbox."""
     from dsecd.errors import NotFound
 
-    reg = SandboxRegistry(Journal())
+    reg = SandboxRegistry(MemoryJournal())
     a = _sb(1, 0.1, GiB)
     reg.add(a)
     reg.remove(a, reason)
@@ -133,7 +123,7 @@ def test_a_request_on_a_destroyed_sandbox_says_it_was_destroyed_and_why(reason, 
 
 
 def test_destroyed_sandboxes_are_remembered_up_to_a_bound():
-    reg = SandboxRegistry(Journal())
+    reg = SandboxRegistry(MemoryJournal())
     for i in range(reg.REMEMBER_DESTROYED + 10):
         sb = _sb(i, 0.1, GiB)
         reg.add(sb)
@@ -146,7 +136,7 @@ def test_a_request_for_a_dead_sandbox_says_how_to_be_rid_of_it():
     from dsecd import protocol
     from dsecd.errors import Conflict
 
-    reg = SandboxRegistry(Journal())
+    reg = SandboxRegistry(MemoryJournal())
     sb = _sb(7, 0.1, GiB, state="dead")
     reg.add(sb)
     with pytest.raises(Conflict) as err:
@@ -162,7 +152,7 @@ def test_an_ambiguous_prefix_names_what_it_begins_and_a_short_one_says_how_long(
     one id begins with it."""
     from dsecd.errors import BadRequest, NotFound
 
-    reg = SandboxRegistry(Journal())
+    reg = SandboxRegistry(MemoryJournal())
     a, b = _sb(0xabcd01000000, 0.1, GiB), _sb(0xabcd02000000, 0.1, GiB)
     for sb in (a, b):
         reg.add(sb)
