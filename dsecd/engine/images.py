@@ -246,11 +246,6 @@ class ImageService:
                   "direct": self._direct_source}[self.image_mode]
         self.layers = LayerMounts(cfg.state_dir / "layers", source, section["layer_grace_s"])
         self.snapshot_exclude = list(section["snapshot_exclude"])
-        # (sandbox id, key) -> the contexts of the requests of a keyed
-        # snapshot waiting for its pack now: its progress goes to them, not
-        # to the request that began it, whose connection may have gone
-        # (the SDK sends it again, and the one sent again waits for it).
-        self._snapshot_hearers: dict[tuple[str, str], list] = {}
         self.max_snapshot_bytes = cfg.size("images", "max_snapshot_bytes")
         self.max_frame = cfg.size("limits", "max_frame_bytes")
         self._sweep_task: asyncio.Task | None = None
@@ -808,35 +803,18 @@ class ImageService:
         if req.key is None:
             return await self._snapshot_busy(sb, req, self._progress(ctx))
         at = (sb.id, req.key)
-        with self._hearing(at, ctx):
-            return await self.registry.op_keys.once(sb, "snapshot", req, ctx,
-                                                    lambda: self._snapshot_busy(sb, req, self._keyed_progress(at)),
-                                                    _image_made, self._snapshot_again)
-
-    @contextlib.contextmanager
-    def _hearing(self, at: tuple[str, str], ctx):
-        """While in it, the request of `ctx` hears the progress of the
-        snapshot of its key (`at`) under way: from its start if it began
-        it, from then on if it waits for one begun before (it was sent again
-        after a lost connection). Each event once: none is told again."""
-        hearers = self._snapshot_hearers.setdefault(at, [])
-        hearers.append(ctx)
-        try:
-            yield
-        finally:
-            hearers.remove(ctx)
-            if not hearers:
-                del self._snapshot_hearers[at]
+        return await self.registry.op_keys.once(sb, "snapshot", req, ctx,
+                                                lambda: self._snapshot_busy(sb, req, self._keyed_progress(at)),
+                                                _image_made, self._snapshot_again)
 
     def _keyed_progress(self, at: tuple[str, str]):
         """The progress callback (called in a worker) of the keyed snapshot
-        `at`: each event goes to the requests hearing it as it comes."""
-        def tell(p: dict) -> None:
-            for ctx in self._snapshot_hearers.get(at, ()):
-                ctx.emit_nowait({"progress": p})
-
+        `at` (sandbox id, key): each event goes, as it comes, to the
+        requests of its key waiting for it (OpKeys.tell), not to the one
+        that began it alone, whose connection may have gone (the SDK sends
+        it again, and the one sent again waits for it)."""
         def progress(p: dict) -> None:
-            self.workers.loop.call_soon_threadsafe(tell, p)
+            self.workers.loop.call_soon_threadsafe(self.registry.op_keys.tell, at, {"progress": p})
 
         return progress
 

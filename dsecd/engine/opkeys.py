@@ -142,7 +142,10 @@ class OpKeys:
         # connection leaves it to run, for `orphan_s` while no request of its
         # key waits for it; a cancel or close() (the daemon's stop) ends it.
         self._tasks: dict[tuple[str, str], asyncio.Task] = {}
-        self._waiting: dict[tuple[str, str], int] = {}      # requests waiting for it
+        # (sandbox id, key) -> the contexts of the requests waiting for the
+        # request under way (the one that began it, and any sent again since
+        # its connection was lost): what `tell` sends goes to them.
+        self._waiting: dict[tuple[str, str], list] = {}
         self._orphans: dict[tuple[str, str], asyncio.TimerHandle] = {}
         self.orphan_s = ORPHAN_S
 
@@ -211,9 +214,10 @@ class OpKeys:
         its key waits: a client that went for good leaves nothing running,
         as with an exec of no key); a cancel or the daemon's stop ends it.
         Cancelled, its key says so; ended by a stop, the key stays as
-        journaled: begun, its end unknown to the next daemon."""
+        journaled: begun, its end unknown to the next daemon. While it
+        waits, the request hears what `tell` sends for the key."""
         stream = self._streams.get(at)
-        self._waiting[at] = self._waiting.get(at, 0) + 1
+        self._waiting.setdefault(at, []).append(ctx)
         if (timer := self._orphans.pop(at, None)) is not None:
             timer.cancel()
         try:
@@ -245,13 +249,23 @@ class OpKeys:
                 await asyncio.wait({task})
             raise
         finally:
-            self._waiting[at] -= 1
+            self._waiting[at].remove(ctx)
             if not self._waiting[at]:
                 del self._waiting[at]
                 task = self._tasks.get(at)
                 if task is not None and not task.done() and not task.cancelling():
                     self._orphans[at] = asyncio.get_running_loop().call_later(self.orphan_s, self._orphaned,
                                                                               sb, at)
+
+    def tell(self, at: tuple[str, str], frame: dict) -> None:
+        """Send `frame` (a snapshot's progress event) to the requests of
+        the key `at` (sandbox id, key) waiting for its request under way:
+        the one that began it, and one sent again after its connection was
+        lost (whose client would else hear nothing more until the answer).
+        Each hears a frame once, as it comes: none is told again, and a
+        request sent again hears the frames from then on."""
+        for ctx in self._waiting.get(at, ()):
+            ctx.emit_nowait(frame)
 
     def _orphaned(self, sb, at: tuple[str, str]) -> None:
         """No request of its key came for it within `orphan_s` of its client's going: it ends."""

@@ -32,6 +32,17 @@ class _Ctx:
         return self.why
 
 
+class _Hearing(_Ctx):
+    """A request's context that keeps the frames sent to its client."""
+
+    def __init__(self, why: str = "gone"):
+        super().__init__(why)
+        self.frames: list[dict] = []
+
+    def emit_nowait(self, frame: dict) -> None:
+        self.frames.append(frame)
+
+
 class _Clock:
     def __init__(self):
         self.now = 1_000_000.0
@@ -294,6 +305,39 @@ def test_a_request_whose_client_went_for_good_ends_after_the_orphan_time():
     err = asyncio.run(go())
     assert err.detail["outcome"] == "cancelled" and "its client went" in err.message, err.message
     assert "limits.keyed_orphan_s" in err.message and w.runs == [["sleep"]]
+
+
+def test_what_is_told_of_a_keyed_request_goes_to_each_request_waiting_for_it_once():
+    """A keyed snapshot's progress (OpKeys.tell) goes to the requests of
+    its key waiting for it as it comes: the one that began it, the one sent
+    again on another connection, both while both wait, and the one sent
+    again alone once the first's connection went; nobody once it ended."""
+    w = World()
+    at = ("sb1", "k")
+
+    async def go():
+        until = asyncio.Event()
+        began, again = _Hearing(), _Hearing()
+        first = asyncio.ensure_future(w.exec(["pack"], "k", ctx=began, until=until))
+        await asyncio.sleep(0)
+        w.registry.op_keys.tell(at, {"progress": 1})
+        second = asyncio.ensure_future(w.exec(["pack"], "k", ctx=again))
+        await asyncio.sleep(0)
+        w.registry.op_keys.tell(at, {"progress": 2})
+        first.cancel()                           # its connection went: the pack runs on
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        w.registry.op_keys.tell(at, {"progress": 3})
+        until.set()
+        answer = await second
+        w.registry.op_keys.tell(at, {"progress": 4})
+        return began.frames, again.frames, answer
+
+    began, again, answer = asyncio.run(go())
+    assert began == [{"progress": 1}, {"progress": 2}], began
+    assert again == [{"progress": 2}, {"progress": 3}], again
+    assert answer["existing"] and w.runs == [["pack"]]
+    assert w.registry.op_keys._waiting == {}
 
 
 def test_a_cancelled_request_ends_and_its_key_says_so():
