@@ -119,17 +119,9 @@ FREE_SPACE = ("remove images no longer needed (`dsec image rm NAME`, then `dsec 
               "store is on it, or other files")
 
 
-def _reserve(path: Path) -> int:
-    """What a flatten leaves free on the file system of `path`."""
-    st = os.statvfs(path)
+def _reserve(st: os.statvfs_result) -> int:
+    """What a flatten leaves free of the bytes of a file system (statvfs)."""
     return min(SCRATCH_RESERVE, st.f_blocks * st.f_frsize // 20)
-
-
-def _room(path: Path) -> int:
-    """Bytes a flatten may still write on the file system of `path`: its
-    free space less _reserve."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize - _reserve(path)
 
 
 def _inode_reserve(st: os.statvfs_result) -> int:
@@ -137,15 +129,44 @@ def _inode_reserve(st: os.statvfs_result) -> int:
     return min(SCRATCH_INODE_RESERVE, st.f_files // 20)
 
 
-def _inode_room(path: Path) -> tuple[int, int] | None:
-    """(inodes a flatten may still take on the file system of `path`: its
-    free ones less _inode_reserve, that reserve); None if it has no fixed
-    number of inodes (f_files 0: btrfs, a tmpfs without nr_inodes), which
-    only its bytes bound."""
-    st = os.statvfs(path)
-    if st.f_files == 0:
-        return None
-    return st.f_favail - _inode_reserve(st), _inode_reserve(st)
+@dataclass(frozen=True)
+class _FlattenRoom:
+    """The room a flatten has where it writes, each directory stat'ed once
+    as it begins (read): the scratch dir for the merged tree, the store's
+    temp dir (`layer_dir`) for the EROFS layer packed from it, on one file
+    system (`shared`) by default. Bytes and inodes are what may still be
+    taken there: the free ones less what stays free for the state dir and
+    other writers (`*_reserve`). `inodes` is None on a file system with no
+    fixed number of them (f_files 0: btrfs, a tmpfs without nr_inodes),
+    which only its bytes bound."""
+
+    scratch: Path
+    layer_dir: Path
+    shared: bool
+    scratch_bytes: int
+    scratch_reserve: int
+    layer_bytes: int
+    layer_reserve: int
+    inodes: int | None
+    inode_reserve: int
+
+    @classmethod
+    def read(cls, scratch: Path, layer_dir: Path) -> _FlattenRoom:
+        shared = os.stat(scratch).st_dev == os.stat(layer_dir).st_dev
+        st = os.statvfs(scratch)
+        layer_st = st if shared else os.statvfs(layer_dir)
+        return cls(scratch, layer_dir, shared,
+                   st.f_bavail * st.f_frsize - _reserve(st), _reserve(st),
+                   layer_st.f_bavail * layer_st.f_frsize - _reserve(layer_st), _reserve(layer_st),
+                   st.f_favail - _inode_reserve(st) if st.f_files else None, _inode_reserve(st))
+
+    def scratch_bytes_now(self) -> int:
+        """The bytes the merge may still write in the scratch dir, read
+        again before each file it copies (another writer may have taken
+        them since the flatten began): the free ones less the reserve
+        read then (a file system's size does not change under it)."""
+        st = os.statvfs(self.scratch)
+        return st.f_bavail * st.f_frsize - self.scratch_reserve
 
 
 class ImageStore:
@@ -751,13 +772,7 @@ class ImageStore:
             target, parent, made_from, replace = image.name, image.parent, image.parent_manifest, True
         return self._flatten(image, target, parent, made_from, replace, mounted, progress, cancelled)
 
-    def _scratch_room(self) -> int:
-        """Bytes the scratch dir's file system may still take: its free
-        space less what stays free for the state dir and other writers
-        there (_reserve)."""
-        return _room(self.scratch)
-
-    def _check_flatten_room(self, image: Image, dirs: list[str], progress: Progress | None,
+    def _check_flatten_room(self, image: Image, room: _FlattenRoom, dirs: list[str], progress: Progress | None,
                             cancelled: threading.Event | None) -> None:
         """Refuse (`io`, ENOSPC) a flatten whose merged tree and flat layer
         would not fit: the tree in the scratch dir, and the EROFS layer
@@ -769,69 +784,67 @@ class ImageStore:
         bound all of it (as if no layer replaced or removed a file of those
         below); only when that bound does not fit are the layers walked
         (flatten.measure) for what the merge would write: a chain of
-        snapshots rewriting one big file holds it once per layer. Called
-        with the layers mounted, inside _flatten's handlers (Cancelled,
+        snapshots rewriting one big file holds it once per layer. Both
+        checks go by `room`, read once as the flatten began. Called with
+        the layers mounted, inside _flatten's handlers (Cancelled,
         OSError)."""
         names = image.size // EROFS_NAME_BYTES
-        if self._flatten_bytes(image, image.size, image.size, image.size) is None and \
-                self._flatten_inodes(image, names, names) is None:
+        if self._flatten_bytes(image, room, image.size, image.size, image.size) is None and \
+                self._flatten_inodes(image, room, names, names) is None:
             return
         need = flatten.measure(dirs, progress, cancelled)
-        for short in (self._flatten_bytes(image, need.most_tree_bytes, need.tree_bytes(), need.layer_bytes()),
-                      self._flatten_inodes(image, need.most_entries, need.entries)):
+        for short in (self._flatten_bytes(image, room, need.most_tree_bytes, need.tree_bytes(), need.layer_bytes()),
+                      self._flatten_inodes(image, room, need.most_entries, need.entries)):
             if short is not None:
                 raise short
 
-    def _flatten_bytes(self, image: Image, most: int, tree: int, layer: int) -> ImageError | None:
+    @staticmethod
+    def _flatten_bytes(image: Image, room: _FlattenRoom, most: int, tree: int, layer: int) -> ImageError | None:
         """The error refusing a flatten whose merged tree (`most` bytes at
         most while it is written, `tree` once done) and EROFS layer (`layer`
-        bytes) do not fit in the bytes free (_room); None if they do."""
-        layer_dir = self.store.tmp
-        shared = os.stat(self.scratch).st_dev == os.stat(layer_dir).st_dev
-        tree_room = self._scratch_room()
-        layer_room = tree_room if shared else _room(layer_dir)
+        bytes) do not fit in the bytes `room` has; None if they do."""
         at_most = f"{most} bytes at most while it is written, {tree} once done: files a layer above " \
                   "removes are there until then" if most > tree else f"{tree} bytes"
-        if shared and tree + layer > tree_room:
-            where, short, free = self.scratch, tree + layer, tree_room
+        if room.shared and tree + layer > room.scratch_bytes:
+            where, short, free, reserve = room.scratch, tree + layer, room.scratch_bytes, room.scratch_reserve
             what = (f"the merged tree ({tree} bytes) and the EROFS layer packed from it ({layer} bytes, "
-                    f"in {layer_dir}, the same file system)")
-        elif most > tree_room:
-            where, short, free, what = self.scratch, most, tree_room, f"the merged tree ({at_most})"
-        elif not shared and layer > layer_room:
-            where, short, free = layer_dir, layer, layer_room
+                    f"in {room.layer_dir}, the same file system)")
+        elif most > room.scratch_bytes:
+            where, short, free, reserve = room.scratch, most, room.scratch_bytes, room.scratch_reserve
+            what = f"the merged tree ({at_most})"
+        elif not room.shared and layer > room.layer_bytes:
+            where, short, free, reserve = room.layer_dir, layer, room.layer_bytes, room.layer_reserve
             what = f"the EROFS layer packed from the merged tree ({layer} bytes)"
         else:
             return None
         return ImageError(
             "io", f"flatten of {image.name!r} refused: it needs about {short} bytes in {where} for {what}, "
-            f"and {max(0, free)} are free there (keeping {_reserve(where)} bytes free for other writers); "
+            f"and {max(0, free)} are free there (keeping {reserve} bytes free for other writers); "
             f"nothing written. Free space on that file system: {FREE_SPACE}",
             {"errno": "ENOSPC", "path": str(where), "need": short, "free": max(0, free)})
 
-    def _flatten_inodes(self, image: Image, most: int, final: int) -> ImageError | None:
-        """The error refusing a flatten whose merge would run out of inodes
-        in the scratch dir (_inode_room); None if it would not. It takes
-        the tree's root and its names, `most` at most while it is written,
-        or, if more, `final` once done and the EROFS layer's file that
-        mkfs.erofs writes next to them when the store's temp dir is on the
-        same file system."""
-        room = _inode_room(self.scratch)
-        if room is None:
+    @staticmethod
+    def _flatten_inodes(image: Image, room: _FlattenRoom, most: int, final: int) -> ImageError | None:
+        """The error refusing a flatten whose merge would run out of the
+        inodes `room` has in the scratch dir; None if it would not. It
+        takes the tree's root and its names, `most` at most while it is
+        written, or, if more, `final` once done and the EROFS layer's file
+        that mkfs.erofs writes next to them when the store's temp dir is on
+        the same file system."""
+        if room.inodes is None:
             return None
-        free, reserve = room
-        layer = int(os.stat(self.scratch).st_dev == os.stat(self.store.tmp).st_dev)
-        need = 1 + max(most, final + layer)
+        free = room.inodes
+        need = 1 + max(most, final + int(room.shared))
         if need <= free:
             return None
         return ImageError(
             "io", f"flatten of {image.name!r} refused: merging its layers takes up to {need} inodes in "
-            f"{self.scratch} (one for each file, directory or other name it writes, counting those a "
+            f"{room.scratch} (one for each file, directory or other name it writes, counting those a "
             f"layer above removes while they are still there), and {max(0, free)} are free there (keeping "
-            f"{reserve} free for other writers); nothing written. Free inodes on that file system: "
+            f"{room.inode_reserve} free for other writers); nothing written. Free inodes on that file system: "
             f"{FREE_SPACE}; or give the daemon's state dir a file system with more inodes (ext4 fixes their "
             "number at mkfs, -N or -i; a tmpfs's is nr_inodes)",
-            {"errno": "ENOSPC", "path": str(self.scratch), "need_inodes": need, "free_inodes": max(0, free)})
+            {"errno": "ENOSPC", "path": str(room.scratch), "need_inodes": need, "free_inodes": max(0, free)})
 
     def _flatten(self, image: Image, target: str, parent: str | None, made_from: str | None, replace: bool,
                  mounted, progress: Progress | None, cancelled: threading.Event | None) -> Image:
@@ -843,8 +856,9 @@ class ImageStore:
                 tree = work / "tree"
                 with mounted(image.layer_digests) as dirs:
                     try:
-                        self._check_flatten_room(image, dirs, progress, cancelled)
-                        flatten.merge(dirs, tree, progress, cancelled, self.max_layer_bytes, self._scratch_room)
+                        room = _FlattenRoom.read(self.scratch, self.store.tmp)
+                        self._check_flatten_room(image, room, dirs, progress, cancelled)
+                        flatten.merge(dirs, tree, progress, cancelled, self.max_layer_bytes, room.scratch_bytes_now)
                     except flatten.TooLarge as err:
                         raise ImageError("limit", f"flatten of {image.name!r}: {err}: the flat layer would be "
                                          f"past images.max_layer_bytes ({err.max_bytes} bytes), which bounds "
@@ -855,7 +869,7 @@ class ImageStore:
                         raise ImageError("io", f"flatten of {image.name!r}: the merged tree is written in "
                                          f"{self.scratch}, which has no room left for the next file (another "
                                          f"writer took it since the flatten started): {err}, keeping "
-                                         f"{_reserve(self.scratch)} bytes free for other writers; nothing "
+                                         f"{room.scratch_reserve} bytes free for other writers; nothing "
                                          f"published. Free space on that file system: {FREE_SPACE}",
                                          {"errno": "ENOSPC", "path": str(self.scratch)}) from None
                     except flatten.Cancelled:

@@ -7,13 +7,14 @@ needs mkfs.erofs)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 
 import pytest
 
 from dsecd.fs import flatten
-from dsecd.fs.images import ImageError, ImageStore
+from dsecd.fs.images import ImageError, ImageStore, _FlattenRoom
 
 pytestmark = pytest.mark.skipif(shutil.which("mkfs.erofs") is None, reason="needs erofs-utils")
 
@@ -72,8 +73,13 @@ def test_a_whiteout_frees_what_it_removes(tmp_path):
 def test_a_file_the_scratch_dir_has_no_room_for_stops_the_flatten_first(tmp_path, monkeypatch):
     """The room checked before the flatten starts goes meanwhile (another writer)."""
     images, dirs = _chain(tmp_path, {"a": 100}, {"b": 5000})
-    rooms = iter([1 << 40])         # the check before the merge; then 4096 bytes
-    monkeypatch.setattr(ImageStore, "_scratch_room", lambda self: next(rooms, 4096))
+    read = _FlattenRoom.read
+
+    def plenty(scratch, layer_dir) -> _FlattenRoom:         # the check before the merge
+        return dataclasses.replace(read(scratch, layer_dir), scratch_bytes=1 << 40, layer_bytes=1 << 40)
+
+    monkeypatch.setattr(_FlattenRoom, "read", plenty)
+    monkeypatch.setattr(_FlattenRoom, "scratch_bytes_now", lambda self: 4096)      # then, before each file
     with pytest.raises(ImageError) as info:
         images.flatten("app", "flat", lambda _digests: contextlib.nullcontext(dirs))
     assert info.value.code == "io" and "/b (5000 bytes)" in str(info.value), info.value

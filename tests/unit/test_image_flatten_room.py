@@ -13,6 +13,7 @@ import errno
 import os
 import shutil
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -166,6 +167,56 @@ def test_a_flatten_whose_tree_holds_more_while_merged_is_refused_before_it_write
     assert err.detail["path"] == str(images.scratch) and err.detail["need"] == 3 * FILE, err.detail
     assert f"{3 * FILE} bytes at most while it is written, {FILE} once done" in str(err), err
     _nothing_left(images)
+
+
+def test_a_flatten_stats_its_directories_once_and_the_scratch_once_a_file(tmp_path, small_fs, monkeypatch):
+    """The check before the merge reads each directory's file system once,
+    though it checks twice (the layers' sizes do not fit: the layers are
+    measured, and what the merge writes is checked); the merge reads the
+    scratch dir's free bytes again before each file it copies, once, for
+    another writer may have taken them since."""
+    images, dirs = _chain(tmp_path, small_fs, {"a": FILE}, {"a": FILE}, {"a": FILE}, {"a": FILE})
+    _leave_free(small_fs, "other-writer", _reserve(small_fs) + 3 * FILE)
+    watched = {images.scratch: "scratch", images.store.tmp: "layer dir"}
+    calls: list[tuple[str, str, str]] = []
+    phase = ["check"]
+
+    def counting(call, name):
+        def counted(path, *args, **kwargs):
+            if isinstance(path, (str, os.PathLike)) and Path(path) in watched:
+                calls.append((phase[0], name, watched[Path(path)]))
+            return call(path, *args, **kwargs)
+        return counted
+
+    merge, adding, measure, copies, measured = flatten.merge, flatten._State.adding, flatten.measure, [], []
+
+    def merging(*args, **kwargs):
+        phase[0] = "merge"
+        try:
+            return merge(*args, **kwargs)
+        finally:
+            phase[0] = "after"
+
+    def copying(state, size, path):
+        copies.extend([path] if size else [])
+        return adding(state, size, path)
+
+    def measuring(*args, **kwargs):
+        measured.append(args[0])
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", counting(os.stat, "stat"))
+    monkeypatch.setattr(os, "statvfs", counting(os.statvfs, "statvfs"))
+    monkeypatch.setattr(flatten, "merge", merging)
+    monkeypatch.setattr(flatten._State, "adding", copying)
+    monkeypatch.setattr(flatten, "measure", measuring)
+    images.flatten("app", "flat", lambda _digests: contextlib.nullcontext(dirs))
+    monkeypatch.undo()
+    assert len(measured) == 1, measured
+    check = sorted(c[1:] for c in calls if c[0] == "check")
+    assert check == [("stat", "layer dir"), ("stat", "scratch"), ("statvfs", "scratch")], check
+    during = [c[1:] for c in calls if c[0] == "merge"]
+    assert during == [("statvfs", "scratch")] * len(copies) and copies, (during, copies)
 
 
 @pytest.mark.parametrize("step", ["merge", "mkfs.erofs"])
