@@ -37,7 +37,7 @@ def cancel_once(task: asyncio.Task) -> None:
     process group killed, a snapshot's sandbox thawed, a copy's temp files
     removed), awaiting on the way; a second cancel lands in that undoing
     and cuts it short. Whoever ends a task that another may have ended
-    first (its connection's close, the daemon's stop, the keyed requests'
-    close) cancels it through here."""
+    first (a `cancel` request, sent again or not, its connection's close,
+    the daemon's stop, the keyed requests' close) cancels it through here."""
     if not task.cancelling():
         task.cancel()

@@ -487,7 +487,7 @@ class Connection:
         if io is not None:
             io.cancelled = True
         self.cancels.add(target)
-        task.cancel()
+        cancel_once(task)              # named again (a retried `cancel`): its undoing runs on whole
         return {"cancelled": target}
 
     async def _close(self) -> None:

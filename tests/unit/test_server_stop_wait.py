@@ -172,3 +172,42 @@ def test_a_connection_the_loop_took_up_after_the_stop_is_not_served(tmp_path):
         return got, len(ran)
 
     assert asyncio.run(scenario()) == (b"", 0)
+
+
+def test_a_second_cancel_of_one_request_does_not_cut_its_undoing_short(tmp_path):
+    """A client that sends `cancel` again (its first answer was slow, or it
+    retried after a cut) names a request whose undoing the first began: a
+    second CancelledError would land in that undoing."""
+    async def scenario() -> list[str]:
+        events: list[str] = []
+        started = asyncio.Event()
+        undoing = asyncio.Event()
+        second_answered = asyncio.Event()
+
+        async def handler(req, ctx) -> dict:
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                undoing.set()
+                await second_answered.wait()       # the undoing outlasts the second cancel
+                events.append("undone")
+                raise
+            return {}
+
+        server = _server(tmp_path, handler)
+        client = await _serve_ping(server)
+        await asyncio.wait_for(started.wait(), 10)
+        client.write(protocol.encode_frame({"id": 3, "op": "cancel", "args": {"target": 2}}))
+        await asyncio.wait_for(undoing.wait(), 10)
+        client.write(protocol.encode_frame({"id": 4, "op": "cancel", "args": {"target": 2}}))
+        for _ in range(50):                    # the second cancel is read and handled
+            await asyncio.sleep(0)
+        second_answered.set()
+        await server.stop()
+        await server.wait_stopped(10)
+        events.append("node closes")
+        client.close()
+        return events
+
+    assert asyncio.run(scenario()) == ["undone", "node closes"]
