@@ -42,6 +42,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from . import native
+from .doing import job_of, run_job
 from .errors import BadRequest
 from .fds import close_quietly, read_ready
 
@@ -469,7 +470,7 @@ def kill_and_reap(loop: asyncio.AbstractEventLoop, pid: int) -> asyncio.Future:
     """SIGKILL an abandoned exec's process group and reap it in a thread (a
     dying process may take a moment); the future is done once it is reaped."""
     kill_group(pid)
-    return loop.run_in_executor(None, reap, pid)
+    return loop.run_in_executor(None, run_job, job_of(reap, (pid,)))
 
 
 def _decode_status(status: int) -> tuple[int | None, int | None]:

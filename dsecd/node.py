@@ -290,15 +290,19 @@ class Node:
         # through a worker, and the stop closes both below.
         waits = [self.registry.op_keys.close(STOP_WAIT_S), finish_under_way(STOP_WAIT_S)]
         if requests_ended is not None:
-            waits.append(requests_ended(STOP_WAIT_S))     # it logs what it leaves, naming their ops
-        keyed, left, *_ = await asyncio.gather(*waits)
-        if left:
-            log.warning("stopping with %d pause(s), resume(s) or snapshot(s) still under way after %.0f s; "
-                        "the next daemon takes their sandboxes back as it finds them", left, STOP_WAIT_S)
+            waits.append(requests_ended(STOP_WAIT_S))     # it logs what it leaves, naming them
+        keyed, under_way, *_ = await asyncio.gather(*waits)
+        if under_way:
+            log.warning("stopping with %d pause(s), resume(s) or snapshot(s) still under way after %.0f s (%s); "
+                        "the next daemon takes their sandboxes back as it finds them", len(under_way),
+                        STOP_WAIT_S, "; ".join(under_way),
+                        extra={"fields": {"event": "stop_left_changes", "changes": under_way}})
         if keyed:
-            log.warning("stopping with %d keyed request(s) (exec, proc_start, snapshot) not ended %.0f s after "
-                        "they were cancelled; the next daemon takes their sandboxes back as it finds them, and "
-                        "their keys answer that their outcome is unknown", keyed, STOP_WAIT_S)
+            names = self.registry.op_keys.under_way()
+            log.warning("stopping with %d keyed request(s) (%s) not ended %.0f s after they were cancelled; the "
+                        "next daemon takes their sandboxes back as it finds them, and their keys answer that "
+                        "their outcome is unknown", keyed, "; ".join(names), STOP_WAIT_S,
+                        extra={"fields": {"event": "stop_left_keyed", "requests": names}})
         # First: from here on, output and ends of background processes stay in
         # init's pipes for the next daemon; what this one read would be lost.
         self.procs.close()

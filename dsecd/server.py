@@ -25,7 +25,7 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable
 
-from . import framing, metrics, protocol, unixsock
+from . import doing, framing, metrics, protocol, unixsock
 from .errors import (
     BadRequest,
     Conflict,
@@ -422,8 +422,9 @@ class Connection:
                 f"{len(self.tasks)} requests in flight on this connection (max {self.server.max_requests})",
                 {"max": self.server.max_requests, "in_flight": len(self.tasks)}).to_wire()})
             return
-        # Named by its op: what a stop that could not wait for it logs.
-        task = asyncio.get_running_loop().create_task(self._run(rid, req), name=req.OP)
+        # Named by its op, id and sandbox: what a stop that could not wait for it logs.
+        task = asyncio.get_running_loop().create_task(
+            self._run(rid, req), name=doing.request_label(req.OP, rid, getattr(req, "sandbox", None)))
         self.tasks[rid] = task
         if isinstance(req, (protocol.Exec, protocol.FileTarPut)):
             self.starting.add(rid)
@@ -440,6 +441,7 @@ class Connection:
 
     async def _run(self, rid: int, req) -> None:
         ctx = RequestContext(self, rid)
+        doing.for_request(req.OP, rid, self.peer, getattr(req, "sandbox", None))
         try:
             if isinstance(req, protocol.Cancel):
                 result = self._cancel(req.target)
@@ -585,6 +587,7 @@ class Server:
             pid = uid = gid = -1
         conn.peer = f"pid={pid} uid={uid} gid={gid}"
         conn.sock, conn.pid = sock, pid
+        asyncio.current_task().set_name(f"connection of {conn.peer}")     # for a stop that cannot wait
         groups = peer_groups(sock) if uid not in (0, -1) else set()
         if uid > 0:
             conn.ids = (uid, gid, tuple(sorted(groups)))
@@ -647,11 +650,13 @@ class Server:
         _done, pending = await asyncio.wait(set(self._connecting), timeout=timeout)
         if not pending:
             return 0
-        ops = sorted(task.get_name() for conn in self.connections for task in conn.tasks.values())
+        left = sorted(f"{task.get_name()} of {conn.peer}" for conn in self.connections
+                      for task in conn.tasks.values())
         log.warning("stopping with %d request(s) (%s) of %d connection(s) not ended %.0f s after they were "
                     "cancelled; what they started may be left running in their sandboxes (`dsec top` shows it)",
-                    len(ops), ", ".join(ops) or "none: their closes", len(pending), timeout)
-        return len(ops)
+                    len(left), "; ".join(left) or "none: their closes", len(pending), timeout,
+                    extra={"fields": {"event": "stop_left_requests", "requests": left}})
+        return len(left)
 
 
 def _group_id(group: str) -> int | None:

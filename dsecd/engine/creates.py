@@ -50,7 +50,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .. import cgroup, imageconfig, protocol, userns
+from .. import cgroup, doing, imageconfig, protocol, userns
 from ..admission import CreateQueue
 from ..backends.microvm.backend import upper_cap, upper_inodes
 from ..config import ConfigError, parse_duration, parse_size, size_texts
@@ -1107,6 +1107,7 @@ class CreateService:
         if backend == "microvm":
             self.vms.check_layers(req.image, image.layer_digests)
         sb_id = secrets.token_hex(6)
+        doing.on_sandbox(sb_id)         # what a stop that cannot wait for this create's work names
         hostname = req.hostname or f"sb-{sb_id}"
         check_hostname(hostname)
         sb = Sandbox(id=sb_id, image=req.image, state="creating", created=time.time(),

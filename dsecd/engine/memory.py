@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .. import native
 from ..config import ConfigError
 from ..cpu.sampler import round_robin
+from ..doing import job_of, run_job
 from ..errors import Conflict, DsecError, io_error
 from ..journal import write_file_atomic
 from ..mem import damon, pause, swapfile, zram
@@ -231,7 +232,7 @@ class MemoryService:
         A newer piece of work for the same sandbox cancels an older one that
         has not started (a resume makes a pending reclaim pointless)."""
         self._cancel_behind(sb.id)
-        fut = self.workers.loop.run_in_executor(self.mem_pool, fn, *args)
+        fut = self.workers.loop.run_in_executor(self.mem_pool, run_job, job_of(fn, args))
         self._behind[sb.id] = fut
         fut.add_done_callback(lambda f, i=sb.id: self._behind.pop(i) if self._behind.get(i) is f else None)
         return fut
@@ -548,7 +549,8 @@ class MemoryService:
         self._journal_job(paused)
         for s in paused:
             if _is_vm(s):
-                before_stop(self.workers.loop.create_task(self._save_stopped_vm(s)))
+                before_stop(self.workers.loop.create_task(self._save_stopped_vm(s),
+                                                          name=f"job pause's save of VM {s.id}"))
         paused_ctr = [s for s in paused if not _is_vm(s)]
 
         async def reclaim(s) -> None:

@@ -202,6 +202,7 @@ class OpKeys:
         if stream is not None:
             self._streams[at] = stream
         task = self._tasks[at] = asyncio.ensure_future(run())
+        task.set_name(f"{op} with key {req.key!r} on sandbox {sb.id}")     # for a stop that cannot wait
         task.add_done_callback(lambda t: self._ended(sb, at, t, fut, summary, again is not None))
         return await self._waited(sb, at, ctx, task)
 
@@ -450,6 +451,11 @@ class OpKeys:
             return 0
         _done, pending = await asyncio.wait(tasks, timeout=timeout)
         return len(pending)
+
+    def under_way(self) -> list[str]:
+        """The keyed requests not ended, by name (op, key, sandbox), for
+        the log of a stop that could not wait for them."""
+        return sorted(task.get_name() for task in self._tasks.values() if not task.done())
 
 
 def _status(summary: dict) -> str:

@@ -3,6 +3,10 @@
 Clone, mount, cgroup writes, file copies and BPF compiles block; the event
 loop must not. Every service runs such work through one Workers: a bounded
 thread pool (`daemon.worker_threads`) and the loop the answers go back to.
+
+Each piece of work a worker runs is a doing.Job, listed while it runs with
+what it calls and the request and sandbox it is for (dsecd/doing.py): a
+stop that cannot wait for a worker stuck in a blocking call names it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .. import fds
+from .. import doing, fds
+from ..doing import job_of, run_job
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +40,7 @@ class Workers:
         runs (what the work would have released)."""
         loop = self.loop
         fut = loop.create_future()
-        work = self.pool.submit(fn, *args)
+        work = self.pool.submit(run_job, job_of(fn, args))
         work.add_done_callback(lambda w: None if loop.is_closed() else loop.call_soon_threadsafe(_settle, fut, w))
 
         def on_cancel(f: asyncio.Future) -> None:
@@ -106,7 +111,7 @@ class Workers:
 
     def submit(self, fn, *args) -> Future:
         """fn(*args) in a worker from any thread (the journal's compaction)."""
-        return self.pool.submit(fn, *args)
+        return self.pool.submit(run_job, job_of(fn, args))
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -139,6 +144,7 @@ async def to_the_end(coro, locks=()):
         coro.close()
         raise
     task = before_stop(asyncio.ensure_future(coro))
+    task.set_name(f"{coro.__qualname__} ({doing.current() or 'no request'})")    # for a stop that cannot wait
     if taken:
         task.add_done_callback(lambda _task: [lock.release() for lock in reversed(taken)])
     try:
@@ -158,14 +164,15 @@ def before_stop(task: asyncio.Task) -> asyncio.Task:
     return task
 
 
-async def finish_under_way(timeout: float) -> int:
+async def finish_under_way(timeout: float) -> list[str]:
     """Daemon stop: wait up to `timeout` s for the changes of state under
     way (pauses, resumes, job ones, snapshots; their requests cancelled by
-    the server's stop) to end and write their records; how many did not."""
+    the server's stop) to end and write their records; the names of those
+    that did not (each says what it is and its request and sandbox)."""
     if not _UNDER_WAY:
-        return 0
+        return []
     _done, pending = await asyncio.wait(set(_UNDER_WAY), timeout=timeout)
-    return len(pending)
+    return sorted(task.get_name() for task in pending)
 
 
 def _log_abandoned(task: asyncio.Task) -> None:

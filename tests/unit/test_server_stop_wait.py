@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 from types import SimpleNamespace
 
@@ -141,7 +142,9 @@ def test_an_undoing_that_does_not_end_is_waited_for_only_so_long(tmp_path, caplo
 
     with caplog.at_level(logging.WARNING, logger="dsecd.server"):
         assert asyncio.run(scenario()) == 1
-    assert "1 request(s) (ping) of 1 connection(s) not ended 0 s after they were cancelled" in caplog.text
+    # Each named by op, id and client: which request of whom was left.
+    assert re.search(r"1 request\(s\) \(ping #2 of pid=\d+ uid=\d+ gid=\d+\) of 1 connection\(s\) not ended 0 s "
+                     r"after they were cancelled", caplog.text), caplog.text
 
 
 def test_a_connection_the_loop_took_up_after_the_stop_is_not_served(tmp_path):

@@ -29,7 +29,7 @@ def test_a_cancelled_request_ends_after_its_change_and_the_stop_waits_for_it():
         with pytest.raises(asyncio.CancelledError):
             await request
         assert ended == [0.2]               # the cancelled request ended after its change
-        assert await stopping == 0
+        assert await stopping == []
 
     asyncio.run(run())
 
@@ -38,7 +38,7 @@ def test_the_stop_waits_only_so_long():
     async def run():
         request = asyncio.ensure_future(to_the_end(asyncio.sleep(2)))
         await asyncio.sleep(0.01)
-        assert await finish_under_way(0.05) == 1
+        assert await finish_under_way(0.05) == ["sleep (no request)"]     # what it is, for the log
         request.cancel()
         with pytest.raises(asyncio.CancelledError):
             await request
@@ -58,7 +58,7 @@ def test_work_behind_an_answer_given_to_before_stop_is_waited_for():
 
     async def run():
         before_stop(asyncio.get_running_loop().create_task(save()))
-        assert await finish_under_way(5.0) == 0
+        assert await finish_under_way(5.0) == []
         assert ended == ["saved"]
 
     asyncio.run(run())
