@@ -103,7 +103,8 @@ def _overlay(base: dict, extra: dict, where: str = "") -> dict:
 # Numbers and sizes that must be above zero (a zero would stop the daemon
 # working, not turn a feature off); every other number must not be negative.
 POSITIVE = {
-    "admission.max_active_creates", "build.cpu", "cpu.recent_half_life_s", "daemon.worker_threads", "fncall.cpu",
+    "admission.max_active_creates", "build.cpu", "cpu.recent_half_life_s", "daemon.stop_timeout_s",
+    "daemon.worker_threads", "fncall.cpu",
     "fncall.default_timeout_s", "fncall.kill_grace_s", "fncall.max_inflight", "fncall.max_timeout_s", "fncall.pids",
     "fncall.rlimit_as", "fncall.rlimit_fsize", "fncall.rlimit_nofile", "fncall.rlimit_nproc", "fncall.tmp_size",
     "fncall.uid_count", "fncall.zygote_max_calls", "fncall.zygote_start_timeout_s",

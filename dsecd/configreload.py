@@ -48,6 +48,10 @@ def _full_retry_after(node, value) -> None:
     """Read from the running config's [admission] at each refusal."""
 
 
+def _stop_timeout(node, value) -> None:
+    """Read from the running config's [daemon] as the stop begins."""
+
+
 def _fncall_max_boxes(node, value) -> None:
     node.call_service.fn_cfg["max_boxes"] = int(value)
 
@@ -65,6 +69,7 @@ async def _pager_cache_max(node, value) -> None:
 # coroutine function where that blocks, run in a worker.
 RELOADABLE: dict[str, Callable] = {
     "daemon.log_level": _log_level,
+    "daemon.stop_timeout_s": _stop_timeout,
     "admission.max_active_creates": _max_active_creates,
     "admission.max_queued_creates": _max_queued_creates,
     "admission.full_retry_after_s": _full_retry_after,
@@ -144,14 +149,25 @@ class Reloader:
     def state(self) -> dict:
         return {"config_loaded_at": round(self.loaded_at, 3), "last_reload": self.last}
 
-    async def close(self) -> None:
+    async def close(self, timeout: float) -> None:
         """The daemon stops: no reload from now on, and the one under way
         ends first. A reload applies settings to the services the stop
         closes: run alongside, it would start an idle sweep again after the
-        call service closed, or ask a worker pool shut down meanwhile."""
+        call service closed, or ask a worker pool shut down meanwhile.
+        Waited for `timeout` s at most (a read of the config file on a hung
+        file system, a setting applied through a worker that does not
+        return): then cancelled where it is, so that it applies nothing
+        more, and the stop goes on."""
         self.closed = True
-        async with self._lock:      # one asked for before, still waiting for it, then reads nothing
-            pass
+        tasks = set(self._tasks)        # one asked for after the one under way reads nothing once it runs
+        if not tasks:
+            return
+        _done, pending = await asyncio.wait(tasks, timeout=timeout)
+        if pending:
+            log.warning("stopping: a config reload still under way after %.1f s; cancelled, what it had not "
+                        "applied yet is not applied", timeout, extra={"fields": {"event": "reload_cut_short"}})
+            for task in pending:
+                task.cancel()
 
     async def reload(self) -> dict | None:
         """The reload's result (info's last_reload); None once the daemon

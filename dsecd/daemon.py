@@ -32,12 +32,14 @@ from pathlib import Path
 from . import __version__, cgroup, fds, logs, pinned, profiling
 from .config import DEFAULT_PATH, ConfigError, keys_of, load_config
 from .configreload import Reloader
+from .engine.procs import QUIESCE_S
 from .features import probe_all
 from .looplag import LoopMonitor
 from .metrics import MetricsServer, parse_listen
-from .node import Node
+from .node import RUNNING_MARK, Node
 from .sdnotify import Notifier
 from .server import Server
+from .stopclock import StopClock, end_what_is_left, exit_now
 
 log = logging.getLogger("dsecd")
 
@@ -308,7 +310,10 @@ def lock_state_dir(state_dir: str) -> int:
     return fd
 
 
-async def serve(cfg, args: argparse.Namespace) -> None:
+async def serve(cfg, args: argparse.Namespace, locks: list[int]) -> None:
+    """The daemon from its start to its stop; `locks`: the fds of its flocks
+    (state dir, cgroup root), held for its life (given up early only by a
+    stop that exits with threads stuck: stopclock.exit_now)."""
     notifier = Notifier()
     # From the first step: a start can take minutes (re-adoption), and a
     # signal's default meanwhile would end the daemon without a clean stop
@@ -357,7 +362,8 @@ async def serve(cfg, args: argparse.Namespace) -> None:
         # (output of background processes marked lost, execs killed). The
         # server's stop is only for a server that started: a socket path
         # another daemon serves is that daemon's.
-        await node.close()
+        if not await node.close():
+            node.forget_running_mark()
         raise
     monitor = node.loop_monitor = LoopMonitor(notifier, lambda: node.status_line(len(server.connections)))
     monitor.start()
@@ -377,8 +383,18 @@ async def serve(cfg, args: argparse.Namespace) -> None:
     if early:
         node.reloader.request()
     await stop.wait()
-    log.info("stopping; sandboxes keep running")
-    await node.reloader.close()
+    await stop_daemon(node, server, monitor, exporter, notifier, locks)
+
+
+async def stop_daemon(node: Node, server: Server, monitor: LoopMonitor, exporter, notifier: Notifier,
+                      locks: list[int]) -> None:
+    """The stop: every wait in it ends by one deadline, daemon.stop_timeout_s
+    from now (dsecd/stopclock.py); what does not end by then is logged and
+    left, and the daemon exits anyway."""
+    clock = StopClock(node.cfg.section("daemon")["stop_timeout_s"])
+    log.info("stopping; sandboxes keep running", extra={"fields": {"event": "stopping",
+                                                                   "stop_timeout_s": clock.budget}})
+    await node.reloader.close(clock.for_requests())
     live = sum(1 for sb in node.registry.by_id.values() if sb.state != "dead")
     notifier.stopping(f"stopping; {live} sandboxes keep running")
     monitor.stop()
@@ -387,10 +403,18 @@ async def serve(cfg, args: argparse.Namespace) -> None:
     # Before the connections close: what the daemon read of background
     # processes' output reaches their followers, and the rest stays in the
     # pipes for the next daemon.
-    await node.procs.quiesce()
+    await node.procs.quiesce(min(QUIESCE_S, clock.for_requests()))
     await server.stop()
-    await node.close(server.wait_stopped)
+    left = await node.close(server.wait_stopped, clock)
     notifier.close()
+    stuck = await end_what_is_left(clock)
+    if stuck:
+        exit_now(stuck, clock, locks)       # says it, and that the running mark stays
+    if left:
+        log.warning("stopping: %s stays in the state dir, as the stop left work under way: the next start "
+                    "takes this stop for a death, and kills the execs left running in sandboxes", RUNNING_MARK)
+    else:
+        node.forget_running_mark()
 
 
 async def start_node(node) -> None:
@@ -450,8 +474,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if os.geteuid() != 0:
             raise SystemExit("dsecd: must run as root (namespaces, cgroups, mounts)")
-        lock_state_dir(str(cfg.state_dir))
-        lock_cgroup_root(cfg.section("sandbox")["cgroup_root"])
+        locks = [lock_state_dir(str(cfg.state_dir)), *lock_cgroup_root(cfg.section("sandbox")["cgroup_root"])]
         # Before anything is exec'ed: what it execs comes from this copy.
         try:
             pinned.pin(cfg.state_dir)
@@ -464,10 +487,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             import uvloop
 
-            uvloop.run(serve(cfg, args))
+            uvloop.run(serve(cfg, args, locks))
         except ImportError:
             log.warning("uvloop not installed; using the default asyncio loop")
-            asyncio.run(serve(cfg, args))
+            asyncio.run(serve(cfg, args, locks))
     except SystemExit as err:
         if isinstance(err.code, str):       # a start that failed, said in words
             fail(err.code)

@@ -142,11 +142,22 @@ class RecordLog:
     def _open(self) -> int:
         return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
-    def close(self) -> None:
-        with self._lock:
+    def close(self, timeout: float = -1) -> None:
+        """Give the fd back. `timeout` (s; -1: no bound): how long to wait
+        for an append or a compaction holding the log (a write on a hung
+        disk); past it the fd is left to the process's exit, said in the
+        log. Nothing is lost either way: every record was written to the
+        file before its append returned."""
+        if not self._lock.acquire(timeout=timeout):
+            log.warning("closing %s: an append or compaction still holds it after %.1f s (a write on a hung "
+                        "disk?); its fd is left to the daemon's exit", self.path, timeout)
+            return
+        try:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+        finally:
+            self._lock.release()
 
     def get(self, key: str) -> dict | None:
         return self.records.get(key)

@@ -67,7 +67,9 @@ class LoopMonitor:
             self._task.cancel()
         self._done.set()
         if self._watch is not None and self._watch is not threading.current_thread():
-            self._watch.join()
+            # It sees _done within STALL_CHECK_S, unless a write of its own
+            # blocks (a log nobody reads): a daemon thread, not waited for then.
+            self._watch.join(2 * STALL_CHECK_S)
 
     def _watch_stalls(self, loop_thread: int) -> None:
         """In a thread: report a loop that stopped turning, with its stack."""

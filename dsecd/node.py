@@ -60,6 +60,7 @@ from .fs import upper as upperfs
 from .fs.copytemps import CopyTemps
 from .journal import Journal
 from .net.network import bpf_cache_dir
+from .stopclock import StopClock
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,6 @@ log = logging.getLogger(__name__)
 # start, it says the daemon before died (killed, crashed) with its execs
 # still running, so re-adoption kills them (LifecycleService.recover_all).
 RUNNING_MARK = "dsecd.running"
-
-# How long a stop waits for pauses and resumes under way: inside systemd's
-# default TimeoutStopSec (90 s), long enough for a VM's save under TCG.
-STOP_WAIT_S = 60.0
 
 # How often a running daemon looks for an install under it (code_info: a
 # stat of each of its ~200 files, ~1 ms), so the log says so without
@@ -275,41 +272,55 @@ class Node:
         return {s.id: (s.qos, bool(s.limits.get("cpu_quota"))) for s in self.registry.by_id.values()
                 if s.state == "running"}
 
-    async def close(self, requests_ended: Callable[[float], Awaitable[int]] | None = None) -> None:
+    async def close(self, requests_ended: Callable[[float], Awaitable[int]] | None = None,
+                    clock: StopClock | None = None) -> int:
         """Daemon shutdown: stop watching, close fds, leave sandboxes running.
         `requests_ended(timeout)`: waits for the requests the server's stop
-        cancelled to end (Server.wait_stopped), None when none ran."""
+        cancelled to end (Server.wait_stopped), None when none ran. Every
+        wait ends by `clock`'s deadlines (daemon.stop_timeout_s from the
+        stop's start when None; dsecd/stopclock.py): what does not end in
+        time is logged and left. How many things it left (0: everything
+        ended); the caller removes the running mark only then
+        (forget_running_mark)."""
+        if clock is None:
+            clock = StopClock(self.cfg.section("daemon")["stop_timeout_s"])
         # A pause or resume under way finishes and writes its record first
         # (a VM's save can take seconds), a cancelled snapshot thaws its
         # sandbox; one that does not end in time is finished or undone by
         # the next daemon's re-adoption. The requests the server's stop
         # cancelled finish their undoing, and keyed requests whose client
         # went (still running for its return) end as the others did: all
-        # are waited for at once, in the one STOP_WAIT_S, as an exec's group
-        # is killed through init's channel, a copy's temp files are removed
-        # through a worker, and the stop closes both below.
-        waits = [self.registry.op_keys.close(STOP_WAIT_S), finish_under_way(STOP_WAIT_S)]
+        # are waited for at once, until the requests' deadline, as an exec's
+        # group is killed through init's channel, a copy's temp files are
+        # removed through a worker, and the stop closes both below.
+        waits = [self.registry.op_keys.close(clock.for_requests()), finish_under_way(clock.for_requests()),
+                 self.workers.finish_running(clock.for_requests())]
         if requests_ended is not None:
-            waits.append(requests_ended(STOP_WAIT_S))     # it logs what it leaves, naming them
-        keyed, under_way, *_ = await asyncio.gather(*waits)
+            waits.append(requests_ended(clock.for_requests()))     # it logs what it leaves, naming them
+        keyed, under_way, _, *requests = await asyncio.gather(*waits)
         if under_way:
-            log.warning("stopping with %d pause(s), resume(s) or snapshot(s) still under way after %.0f s (%s); "
-                        "the next daemon takes their sandboxes back as it finds them", len(under_way),
-                        STOP_WAIT_S, "; ".join(under_way),
+            log.warning("stopping with %d pause(s), resume(s) or snapshot(s) still under way %.0f s into the "
+                        "stop (%s); the next daemon takes their sandboxes back as it finds them", len(under_way),
+                        clock.elapsed(), "; ".join(under_way),
                         extra={"fields": {"event": "stop_left_changes", "changes": under_way}})
         if keyed:
             names = self.registry.op_keys.under_way()
-            log.warning("stopping with %d keyed request(s) (%s) not ended %.0f s after they were cancelled; the "
-                        "next daemon takes their sandboxes back as it finds them, and their keys answer that "
-                        "their outcome is unknown", keyed, "; ".join(names), STOP_WAIT_S,
+            log.warning("stopping with %d keyed request(s) (%s) not ended %.0f s into the stop; the next daemon "
+                        "takes their sandboxes back as it finds them, and their keys answer that their outcome "
+                        "is unknown", keyed, "; ".join(names), clock.elapsed(),
                         extra={"fields": {"event": "stop_left_keyed", "requests": names}})
+        # Workers still in one piece of work (a blocking call that does not
+        # return) are left to it: the steps below get workers of their own.
+        left = keyed + len(under_way) + sum(requests) + self.workers.set_aside_stuck()
         # First: from here on, output and ends of background processes stay in
         # init's pipes for the next daemon; what this one read would be lost.
         self.procs.close()
         self.create_service.close()
         if self.vms.templates is not None:
-            await self.vms.templates.close()
-        await self.call_service.close()      # call sandboxes belong to this daemon: they go
+            await clock.step("VM template builds", self.vms.templates.close())
+        # Call sandboxes belong to this daemon: they go (the next start
+        # removes those a stop cut short leaves).
+        await clock.step("destroying call sandboxes", self.call_service.close())
         self.image_service.stop_layer_sweeper()
         self.lifetimes.stop()
         self.vm_watchdog.stop()
@@ -318,25 +329,34 @@ class Node:
             self._cpu_task.cancel()
         if self._code_task:
             self._code_task.cancel()
-        await self.net_service.close_net()
-        await self.workers.run(self.memory.close)
+        await clock.step("closing the network", self.net_service.close_net())
+        await clock.step("stopping DAMON and swap", self.workers.run(self.memory.close))
         self.denials.close()
         drained = not any(s.handle is not None for s in self.registry.by_id.values())
-        await self.workers.run(self.image_service.stop, drained)
+        await clock.step("stopping the pager", self.workers.run(self.image_service.stop, drained))
         self.lifecycle.close()
         if self.vms.templates is not None:
             self.vms.templates.store.close()     # VMs restored from templates keep their own mappings
         # Layers no running sandbox uses are unmounted; the others stay for
         # their sandboxes and are re-counted by the next daemon.
         try:
-            await self.workers.run(self.image_service.layers.sweep, True)
+            await clock.step("unmounting idle layers", self.workers.run(self.image_service.layers.sweep, True))
         except Exception:
             log.exception("unmount idle layers at shutdown")
         self.workers.shutdown()
-        self.journal.close()
+        # Every record is in the file already (written before the answer
+        # that depends on it): the close only gives the fd back, and does
+        # not wait on a compaction stuck in a worker for it.
+        self.journal.close(timeout=clock.for_closes())
         close_quietly(self._devnull)
         self._devnull = -1
-        # Last: a stop that fails before here is taken for a death by the next daemon.
+        return left + len(clock.late)
+
+    def forget_running_mark(self) -> None:
+        """The stop is over and left nothing under way: the next start takes
+        it for a clean one (RUNNING_MARK). Last: a stop that fails before
+        here, or leaves work under way, is taken for a death by the next
+        daemon, which kills the execs left running."""
         try:
             os.unlink(self.cfg.state_dir / RUNNING_MARK)
         except FileNotFoundError:

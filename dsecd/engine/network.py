@@ -529,7 +529,9 @@ class NetworkService:
 
     async def close_net(self) -> None:
         if self._warmup is not None:
-            await self._warmup        # not cancelled: a Network half built in a worker would leak its pool
+            # Not cancelled, even by a stop that gives up on this close: a
+            # Network half built in a worker would leak its pool.
+            await asyncio.shield(self._warmup)
         if self.resolver is not None:
             await self.resolver.close()
         if self.address_watch is not None:

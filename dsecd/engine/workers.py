@@ -15,17 +15,27 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import doing, fds
-from ..doing import job_of, run_job
+from ..doing import Job, job_of, run_job, running_jobs
 
 log = logging.getLogger(__name__)
+
+POOL_NAME = "dsecd-worker"
+# A worker in one piece of work this long when the daemon's stop is done
+# waiting for requests is stuck (set_aside_stuck).
+STUCK_S = 1.0
+# How often finish_running looks whether the work is over.
+POLL_S = 0.02
 
 
 class Workers:
     def __init__(self, threads: int):
-        self.pool = ThreadPoolExecutor(threads, "dsecd-worker")
+        self.threads = threads
+        self._prefix = POOL_NAME
+        self.pool = ThreadPoolExecutor(threads, POOL_NAME)
         self.loop: asyncio.AbstractEventLoop | None = None      # set by start(), on the daemon's loop
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -112,6 +122,44 @@ class Workers:
     def submit(self, fn, *args) -> Future:
         """fn(*args) in a worker from any thread (the journal's compaction)."""
         return self.pool.submit(run_job, job_of(fn, args))
+
+    def busy(self) -> list[tuple[str, Job, str]]:
+        """running_jobs() of this pool's threads."""
+        mine = self._prefix + "_"          # ThreadPoolExecutor's names: prefix_N
+        return [(name, job, where) for name, job, where in running_jobs() if name.startswith(mine)]
+
+    async def finish_running(self, timeout: float) -> None:
+        """Daemon stop: wait up to `timeout` s for the work this pool runs
+        now (a layer sweep, a journal compaction, a request's step) to return."""
+        running = {job for _name, job, _where in self.busy()}
+        deadline = time.monotonic() + timeout
+        while running and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+            running &= {job for _name, job, _where in self.busy()}
+
+    def set_aside_stuck(self) -> int:
+        """Daemon stop, once what it waits for had its time: when workers
+        are still in one piece of work since STUCK_S or more (a blocking
+        call that does not return: a read on a hung file system), the
+        stop's own steps get a new pool rather than queue behind them for
+        ever. The old pool is shut down without waiting: what it still
+        holds queued is dropped (as a cancel before it starts), what it
+        runs runs on until the daemon exits. How many workers were stuck;
+        each is logged with what it is in, for which request and sandbox."""
+        now = time.monotonic()
+        stuck = [(name, job, where) for name, job, where in self.busy() if now - job.started >= STUCK_S]
+        if not stuck:
+            return 0
+        for name, job, where in stuck:
+            log.warning("stopping: worker %s still in %s (at %s); the stop goes on without it",
+                        name, job.describe(now), where,
+                        extra={"fields": {"event": "stop_left_worker", "thread": name, "work": job.name(),
+                                          "doing": job.doing, "where": where,
+                                          "busy_s": round(now - job.started, 1)}})
+        self._prefix = POOL_NAME + "-stop"
+        old, self.pool = self.pool, ThreadPoolExecutor(self.threads, self._prefix)
+        old.shutdown(wait=False, cancel_futures=True)
+        return len(stuck)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

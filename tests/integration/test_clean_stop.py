@@ -7,8 +7,10 @@ exits."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -107,3 +109,109 @@ def test_a_clean_stop_removes_the_temporaries_its_clients_left(daemon_factory, b
     assert not kept, f"{len(kept)} of {len(paths)} temporaries not removed at the stop: {log[-4000:]}"
     assert "cleanup of connection" not in log and "not ended" not in log, log[-4000:]
     c.close()
+
+
+# A stop's budget here (daemon.stop_timeout_s): short, so that a stop that
+# gives up on what hangs does so in seconds.
+STOP_BUDGET_S = 4.0
+
+
+def _log_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def _wait_for_event(d, event: str, timeout: float) -> dict:
+    """The first log line of the daemon with `event`, waited for."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [ln for ln in _log_lines(d.log.read_text(errors="replace")) if ln.get("event") == event]
+        if found:
+            return found[0]
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"no {event} in the daemon's log after {timeout:.0f} s: {d.log.read_text()[-4000:]}")
+
+
+def test_a_stop_with_a_worker_stuck_in_a_read_exits_within_its_bound(daemon_factory, busybox_rootfs,
+                                                                   gate_fuse_binary, tmp_path):
+    """A worker thread in a read that does not return (a build's COPY from a
+    FUSE file system whose reads its server holds) held the stop for ever:
+    the request's undoing waits for the worker, asyncio's last cancel waits
+    for that, the interpreter's exit joins every worker. The stop now ends
+    within daemon.stop_timeout_s, saying what was stuck (the call, the
+    request, its sandbox), and the next start finds the state consistent:
+    the sandbox made before runs on, the build's step sandbox is removed.
+    One worker only: the stop's own steps, which go through workers too,
+    must not queue behind the stuck one.
+
+    The held FUSE read is an uninterruptible wait: the kernel keeps the
+    exited daemon's process (and its fds) until the read returns, SIGKILL
+    or not. The next daemon starts meanwhile: the exit gave its locks up."""
+    from fuse_kit import GateFuse
+
+    d = daemon_factory(f"[daemon]\nstop_timeout_s = {STOP_BUDGET_S}\nworker_threads = 1\n")
+    c = d.client()
+    c.import_image(busybox_rootfs, "busybox")
+    kept = c.create(image="busybox", memory="64M")
+    context = tmp_path / "context"
+    # The file's first open is the build plan's hashing, its second the COPY's.
+    fs = GateFuse(gate_fuse_binary, context / "fuse", size=8 << 20, gate_open=2, gate_offset=2 << 20)
+    first = d.proc
+    try:
+        def build() -> None:
+            b = d.client()
+            try:
+                b.build_dockerfile(str(context), "stuck", text="FROM busybox\nCOPY fuse/big /big\n")
+            except (ConnectionError, OSError):          # the daemon went under it
+                pass
+            finally:
+                b.close()
+
+        builder = threading.Thread(target=build, daemon=True)
+        builder.start()
+        fs.wait_for("held 2", 60)
+        step = [s["id"] for s in c.list() if s["labels"].get("dsec.build") == "stuck"]
+        assert len(step) == 1, c.list()
+        c.close()
+        first.send_signal(signal.SIGTERM)
+        said = _wait_for_event(d, "stop_exit_anyway", STOP_BUDGET_S + 6)
+        stopping = _wait_for_event(d, "stopping", 0)
+        took = (_when(said) - _when(stopping))
+        assert took < STOP_BUDGET_S + 0.5, f"the stop took {took:.1f} s"
+        log = d.log.read_text(errors="replace")
+        lines = _log_lines(log)
+        stuck = [ln for ln in lines if ln.get("event") == "stop_left_worker"]
+        assert len(stuck) == 1, log[-4000:]
+        assert stuck[0]["doing"].startswith("image_build_dockerfile #"), stuck[0]
+        assert stuck[0]["doing"].endswith(f"sandbox {step[0]}"), stuck[0]
+        assert "image_build_dockerfile" in said["msg"], said
+        assert not [ln for ln in lines if ln.get("event") == "stop_step_late"], log[-4000:]
+        builder.join(10)
+
+        d.start()                   # the first one's process still held by the kernel
+        assert first.poll() is None
+        c = d.client()
+        assert [(s["id"], s["state"]) for s in c.list()] == [(kept.id, "running")]
+        assert c.get(kept.id).exec(["echo", "on"]).stdout == b"on\n"
+        assert "stuck" not in [i["name"] for i in c.list_images()]
+        groups = {g.name for top in d.cgroup_dirs() if top.exists() for g in top.iterdir() if g.is_dir()}
+        assert step[0] not in groups and kept.id in groups, groups
+        restarted = d.log.read_text(errors="replace")[len(log):]
+        assert f"removing sandbox {step[0]} of build stuck" in restarted, restarted[-4000:]
+        c.close()
+    finally:
+        fs.close()                  # the read returns: the first daemon's process ends
+        try:
+            first.wait(30)
+        except subprocess.TimeoutExpired:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0
+
+
+def _when(line: dict) -> float:
+    """A log line's time (its `ts`), in seconds since the epoch."""
+    from datetime import datetime
+
+    return datetime.fromisoformat(line["ts"].replace("Z", "+00:00")).timestamp()

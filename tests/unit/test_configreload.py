@@ -57,7 +57,7 @@ def test_a_stopping_daemon_finishes_the_reload_under_way_and_starts_none():
         r.request()
         await asyncio.sleep(0)
         assert len(builds) == 1                     # the reload under way waits in its build
-        closing = asyncio.get_running_loop().create_task(r.close())
+        closing = asyncio.get_running_loop().create_task(r.close(10))
         for _ in range(5):
             await asyncio.sleep(0)
         assert not closing.done()
@@ -70,3 +70,33 @@ def test_a_stopping_daemon_finishes_the_reload_under_way_and_starts_none():
         assert len(builds) == 1 and not r._tasks
 
     asyncio.run(go())
+
+
+def test_a_stop_waits_for_a_reload_that_does_not_end_only_so_long(caplog):
+    """A reload whose read of the config never returns (the file on a hung
+    file system, its worker stuck) held the stop before anything else
+    closed. close(timeout) gives up on it after `timeout`, says so, and
+    cancels it where it waits: it applies nothing after."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from dsecd.configreload import Reloader
+
+    async def go():
+        async def run(fn, *args):
+            await asyncio.Event().wait()        # a worker that never answers
+
+        node = SimpleNamespace(workers=SimpleNamespace(run=run), cfg=SimpleNamespace(raw=load_config(None).raw))
+        r = Reloader(SimpleNamespace(config=None), node, lambda args: load_config(None),
+                     lambda given: None, lambda error, keys: None)
+        r.request()
+        await asyncio.sleep(0)
+        await asyncio.wait_for(r.close(0.05), 5)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not r._tasks and r.last is None          # cancelled, nothing recorded as applied
+
+    with caplog.at_level(logging.WARNING, logger="dsecd"):
+        asyncio.run(go())
+    assert "a config reload still under way after 0.1 s; cancelled" in caplog.text

@@ -205,3 +205,33 @@ def test_network_records_of_a_file_per_record_daemon_keep_the_unreadable_ones(tm
     assert rec["ipv4"] == "10.88.0.5/16" and rec["ifname"]
     assert (tmp_path / "sandboxes.corrupt" / "bad.json").read_text() == "{not json"
     assert not old.exists() and not (tmp_path / "leases.json").exists()
+
+
+def test_a_close_does_not_wait_for_ever_on_a_compaction_holding_the_log(tmp_path, caplog):
+    """A compaction stuck in its fsync (a hung disk) holds the log's lock:
+    the stop's close waits `timeout` at most, leaves the fd to the exit,
+    and says so. What was appended is in the file already."""
+    import logging
+
+    log = RecordLog(tmp_path / "journal.log")
+    log.put("a", {"state": "running"})
+    held, release = threading.Event(), threading.Event()
+
+    def compaction() -> None:
+        with log._lock:
+            held.set()
+            release.wait()
+
+    t = threading.Thread(target=compaction)
+    t.start()
+    try:
+        held.wait(5)
+        with caplog.at_level(logging.WARNING, logger="dsecd.journal"):
+            log.close(timeout=0.05)
+        assert "an append or compaction still holds it after 0.1 s" in caplog.text
+        assert read_records(tmp_path / "journal.log") == {"a": {"state": "running"}}
+    finally:
+        release.set()
+        t.join(5)
+    log.close(timeout=5)
+    assert log._fd == -1

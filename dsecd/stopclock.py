@@ -1,0 +1,155 @@
+"""How long a daemon's stop may take, and every wait within it.
+
+A stop (SIGTERM, SIGINT; dsecd/daemon.py) waits for what is under way: the
+requests it cancelled finishing their undoing, pauses, resumes and
+snapshots writing their records, keyed requests, then each service's close
+(call sandboxes destroyed, networking, memory, the pager, idle layers
+unmounted), then the tasks and threads left. Each of those waits ends by
+one deadline, `daemon.stop_timeout_s` after the stop began, whatever hangs
+(a worker in a read on a hung file system, a cgroup write that blocks, a
+kill through a wedged guest agent): systemd kills a daemon whose stop takes
+longer than its TimeoutStopSec (90 s), and then nothing of the stop's own
+end (the journal closed, the log's account of what was left) happens.
+
+Of the budget, the requests get the first part (up to `CLOSE_SHARE` from
+its end), the services' close the next (up to `LAST_SHARE` from its end),
+and the last part is for the tasks still running, cancelled, and the
+threads still at work. What does not end in its part is logged, naming
+what it was doing (the request, the sandbox, the call a thread is in), and
+left: the stop goes on. A thread still in a blocking call at the end would
+hold the interpreter's exit forever (it joins every worker thread), so the
+daemon then ends with os._exit (exit_now), its log flushed.
+
+What was left is found by the next start as after a death: the stop keeps
+the state dir's running mark (node.RUNNING_MARK), so the execs left
+running are killed; a sandbox whose create was cut short has no journal
+record, or one in state `creating`, and is removed; the journal holds every
+record written before the exit (each is written before the answer that
+depends on it, dsecd/journal.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextvars
+import logging
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+
+from . import doing
+
+log = logging.getLogger("dsecd")
+
+# The share of the budget, from its end, that the requests' wait leaves to
+# the services' close: 15 s of the default 75, after the requests' 60 s.
+CLOSE_SHARE = 0.2
+# The share, from its end, that the services' close leaves to the tasks and
+# threads still running.
+LAST_SHARE = 0.05
+# How often the end of the stop looks whether the threads' work is over.
+THREAD_POLL_S = 0.02
+
+
+class StopClock:
+    """A stop's deadlines, from the moment it is made."""
+
+    def __init__(self, budget_s: float, now: Callable[[], float] = time.monotonic):
+        self.budget = float(budget_s)
+        self._now = now
+        self.began = now()
+        self.requests_end = self.began + self.budget * (1 - CLOSE_SHARE)
+        self.closes_end = self.began + self.budget * (1 - LAST_SHARE)
+        self.end = self.began + self.budget
+        self.late: list[str] = []       # the close steps that did not end in their time
+
+    def elapsed(self) -> float:
+        return self._now() - self.began
+
+    def for_requests(self) -> float:
+        """Seconds left for what the requests under way do."""
+        return max(0.0, self.requests_end - self._now())
+
+    def for_closes(self) -> float:
+        """Seconds left for the services' close."""
+        return max(0.0, self.closes_end - self._now())
+
+    def for_last(self) -> float:
+        """Seconds left for the tasks and threads still running."""
+        return max(0.0, self.end - self._now())
+
+    async def step(self, what: str, aw: Coroutine | Awaitable) -> bool:
+        """Await `aw`, a step of the services' close named `what`, until
+        the close's deadline. True once it ended (its error, if any, is
+        raised); False when it had not: it is logged (with the workers
+        still in its work) and cancelled without waiting, and the stop
+        goes on. Work it hands to workers is labelled `daemon stop: what`."""
+        label = f"daemon stop: {what}"
+        if asyncio.iscoroutine(aw):
+            context = contextvars.copy_context()
+            context.run(doing.for_work, label)
+            task = asyncio.get_running_loop().create_task(aw, name=label, context=context)
+        else:
+            task = asyncio.ensure_future(aw)
+        done, _ = await asyncio.wait({task}, timeout=self.for_closes())
+        if done:
+            task.result()
+            return True
+        task.cancel()
+        self.late.append(what)
+        busy = [f"{name}: {job.describe()} at {where}" for name, job, where in doing.running_jobs()
+                if job.doing == label]
+        log.warning("stopping: %s not done %.1f s into the stop%s; the stop goes on without it (the next "
+                    "start takes up what it leaves)", what, self.elapsed(),
+                    f" (still in it: {'; '.join(busy)})" if busy else "",
+                    extra={"fields": {"event": "stop_step_late", "step": what, "workers": busy}})
+        return False
+
+
+async def end_what_is_left(clock: StopClock) -> list[str]:
+    """The end of a stop, after the node's close: cancel the tasks still
+    running, then wait, until the clock's end, for them to end and for the
+    threads' work (doing.RUNNING) to return. What still runs then,
+    described: [] when nothing does."""
+    me = asyncio.current_task()
+    tasks = {t for t in asyncio.all_tasks() if t is not me and not t.done()}
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=clock.for_last())
+    while doing.RUNNING and clock.for_last() > 0:
+        await asyncio.sleep(THREAD_POLL_S)
+    left = [f"task {t.get_name()}" for t in sorted(tasks, key=lambda t: t.get_name()) if not t.done()]
+    left += [f"thread {name} in {job.describe()} at {where}" for name, job, where in doing.running_jobs()]
+    return left
+
+
+def exit_now(left: list[str], clock: StopClock, locks: list[int], status: int = 0) -> None:
+    """End the process though threads are still in blocking calls and
+    tasks still running (`left`, described): said in the log, atexit's
+    functions run (the log flushed), `locks` (the flocks on the state dir
+    and the cgroup root) given up, then os._exit. A normal exit would wait
+    forever for those threads (the interpreter joins every worker thread)
+    and tasks (asyncio cancels and awaits every task).
+
+    Why the locks go first: a thread in an uninterruptible wait (a FUSE
+    read its server holds) keeps the process, and every fd it has, until
+    that call returns, though no code of it runs again (the exit kills its
+    threads as they leave the kernel). Closed here, a new daemon can start
+    on the state dir meanwhile."""
+    log.warning("stopping: %d thing(s) still running %.1f s into the stop (daemon.stop_timeout_s %g): %s; "
+                "the daemon exits anyway, leaving them as they are (the next start takes this stop for a "
+                "death: it kills the execs left running and removes what a cut-short create left)",
+                len(left), clock.elapsed(), clock.budget, "; ".join(left),
+                extra={"fields": {"event": "stop_exit_anyway", "left": left}})
+    sys.stdout.flush()
+    atexit._run_exitfuncs()         # logging.shutdown among them: every line written
+    for fd in locks:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    os._exit(status)
+

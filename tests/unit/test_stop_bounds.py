@@ -1,0 +1,220 @@
+"""A daemon's stop ends by its deadline (daemon.stop_timeout_s,
+dsecd/stopclock.py) whatever hangs, and says what it left: the workers
+stuck in a blocking call (the call, the request, the sandbox), the close
+steps that did not end, the tasks that would not. A stuck worker used to
+hold the stop for ever: the steps after the requests' wait queued behind
+it, asyncio's last cancel waited for the tasks awaiting it, the
+interpreter's exit joined it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from dsecd import doing
+from dsecd.engine import workers as workers_mod
+from dsecd.engine.workers import Workers, outcome
+from dsecd.stopclock import StopClock, end_what_is_left
+
+
+def _stuck_worker(workers: Workers, release: threading.Event, started: threading.Event):
+    """A request's task whose work blocks in its worker until `release`."""
+    def read_on_a_hung_file_system() -> None:
+        started.set()
+        release.wait()
+
+    async def request() -> None:
+        doing.for_request("file_read", 7, "pid=1 uid=0 gid=0", "3f2a")
+        await workers.run(read_on_a_hung_file_system)
+
+    return asyncio.ensure_future(request())
+
+
+def test_a_stuck_worker_is_named_and_the_stop_steps_get_workers_of_their_own(monkeypatch, caplog):
+    monkeypatch.setattr(workers_mod, "STUCK_S", 0.0)
+    release, started = threading.Event(), threading.Event()
+
+    async def run():
+        workers = Workers(1)
+        workers.start(asyncio.get_running_loop())
+        try:
+            request = _stuck_worker(workers, release, started)
+            while not started.is_set():
+                await asyncio.sleep(0.001)
+            assert workers.set_aside_stuck() == 1
+            # The only worker is stuck: without a pool of its own, this waited for ever.
+            assert await asyncio.wait_for(workers.run(lambda: "closed"), 5) == "closed"
+            request.cancel()
+        finally:
+            release.set()
+            workers.shutdown()
+
+    with caplog.at_level(logging.WARNING, logger="dsecd.engine.workers"):
+        asyncio.run(run())
+    said = [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "stop_left_worker"]
+    assert len(said) == 1, caplog.text
+    fields = said[0].fields
+    assert fields["work"].endswith("read_on_a_hung_file_system")
+    assert fields["doing"] == "file_read #7 of pid=1 uid=0 gid=0, sandbox 3f2a"
+    assert "in wait" in fields["where"], fields        # threading.Event.wait, where it blocks
+
+
+def test_work_that_just_began_is_not_taken_for_stuck():
+    """The stop takes a worker for stuck only once it has been in one piece
+    of work for STUCK_S: a sweep that began a moment before is no news."""
+    release, started = threading.Event(), threading.Event()
+
+    async def run():
+        workers = Workers(1)
+        workers.start(asyncio.get_running_loop())
+        try:
+            request = _stuck_worker(workers, release, started)
+            while not started.is_set():
+                await asyncio.sleep(0.001)
+            return workers.set_aside_stuck()
+        finally:
+            release.set()
+            await outcome(request)
+            workers.shutdown()
+
+    assert asyncio.run(run()) == 0
+
+
+def test_the_stop_waits_for_the_work_running_as_it_began_only_so_long():
+    release, started = threading.Event(), threading.Event()
+
+    async def run():
+        workers = Workers(1)
+        workers.start(asyncio.get_running_loop())
+        try:
+            request = _stuck_worker(workers, release, started)
+            while not started.is_set():
+                await asyncio.sleep(0.001)
+            await asyncio.wait_for(workers.finish_running(0.05), 5)
+            assert len(workers.busy()) == 1
+            release.set()
+            await asyncio.wait_for(workers.finish_running(5), 5)
+            assert workers.busy() == []
+            await request
+        finally:
+            release.set()
+            workers.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_close_step_that_does_not_end_is_left_by_the_deadline(caplog):
+    release, started = threading.Event(), threading.Event()
+
+    def unmount_on_a_hung_store() -> None:
+        started.set()
+        release.wait()
+
+    async def run():
+        workers = Workers(2)
+        workers.start(asyncio.get_running_loop())
+        try:
+            clock = StopClock(0.4)
+            assert await clock.step("quick", asyncio.sleep(0))
+            began = asyncio.get_running_loop().time()
+            ended = await clock.step("unmounting idle layers", workers.run(unmount_on_a_hung_store))
+            took = asyncio.get_running_loop().time() - began
+            assert not ended and clock.late == ["unmounting idle layers"]
+            assert took < 1.0
+        finally:
+            release.set()
+            workers.shutdown()
+
+    with caplog.at_level(logging.WARNING, logger="dsecd"):
+        asyncio.run(run())
+    said = [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "stop_step_late"]
+    assert len(said) == 1, caplog.text
+    # The worker in it is named, labelled as the stop's own work.
+    assert "unmount_on_a_hung_store (daemon stop: unmounting idle layers)" in said[0].getMessage()
+
+
+def test_a_close_step_that_fails_raises_as_before():
+    async def fails() -> None:
+        raise OSError(5, "umount: EIO")
+
+    async def run():
+        clock = StopClock(5)
+        try:
+            await clock.step("unmounting idle layers", fails())
+        except OSError as err:
+            return err.errno
+        return None
+
+    assert asyncio.run(run()) == 5
+
+
+def test_what_is_left_at_the_end_is_named_within_the_deadline():
+    """A task that will not end on a cancel (it waits for its worker's
+    outcome, as run_stoppable does) and the worker it waits for: asyncio's
+    own end would wait for both for ever."""
+    release, started = threading.Event(), threading.Event()
+
+    async def run():
+        workers = Workers(1)
+        workers.start(asyncio.get_running_loop())
+        try:
+            stop = threading.Event()
+
+            def copy_chunks() -> None:
+                started.set()
+                release.wait()
+
+            async def request() -> None:
+                doing.for_request("file_tar_put", 3, "pid=2 uid=0 gid=0", "77aa")
+                await workers.run_stoppable(stop, copy_chunks)
+
+            task = asyncio.get_running_loop().create_task(request(), name="file_tar_put #3")
+            while not started.is_set():
+                await asyncio.sleep(0.001)
+            clock = StopClock(0.3)
+            began = asyncio.get_running_loop().time()
+            left = await end_what_is_left(clock)
+            took = asyncio.get_running_loop().time() - began
+            release.set()
+            await outcome(task)
+            return left, took
+        finally:
+            release.set()
+            workers.shutdown()
+
+    left, took = asyncio.run(run())
+    assert took < 1.0
+    assert left[0] == "task file_tar_put #3", left
+    assert left[1].startswith("thread dsecd-worker_0 in test_what_is_left_at_the_end_is_named_within_the_deadline"
+                              ".<locals>.run.<locals>.copy_chunks (file_tar_put #3 of pid=2 uid=0 gid=0, "
+                              "sandbox 77aa)"), left
+
+
+def test_the_budget_is_shared_requests_first_then_the_close_then_the_rest():
+    now = [100.0]
+    clock = StopClock(75, now=lambda: now[0])
+    assert (clock.for_requests(), clock.for_closes(), clock.for_last()) == (60.0, 71.25, 75.0)
+    now[0] = 170.0
+    assert (clock.for_requests(), clock.for_closes(), clock.for_last()) == (0.0, 1.25, 5.0)
+
+
+def test_the_default_stop_ends_before_systemd_kills_the_daemon(tmp_path):
+    """systemd kills a unit whose stop outlasts TimeoutStopSec (90 s by
+    default; the unit sets none), and then the stop's account of what it
+    left is never written."""
+    import re
+    from pathlib import Path
+
+    import pytest
+
+    from dsecd.config import ConfigError, load_config
+
+    unit = (Path(__file__).resolve().parents[2] / "systemd" / "dsecd.service").read_text()
+    assert not re.search(r"^(TimeoutStopSec|TimeoutSec)=", unit, re.M), "the unit's stop timeout is no longer 90 s"
+    budget = load_config(None).section("daemon")["stop_timeout_s"]
+    assert budget < 90
+    bad = tmp_path / "c.toml"
+    bad.write_text("[daemon]\nstop_timeout_s = 0\n")
+    with pytest.raises(ConfigError, match="daemon.stop_timeout_s"):
+        load_config(str(bad))
