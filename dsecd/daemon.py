@@ -390,8 +390,10 @@ async def stop_daemon(node: Node, server: Server, monitor: LoopMonitor, exporter
                       locks: list[int]) -> None:
     """The stop: every wait in it ends by one deadline, daemon.stop_timeout_s
     from now (dsecd/stopclock.py); what does not end by then is logged and
-    left, and the daemon exits anyway."""
+    left, and the daemon exits anyway (a last resort ends it a few seconds
+    later should the event loop's own thread be held in a blocking call)."""
     clock = StopClock(node.cfg.section("daemon")["stop_timeout_s"])
+    clock.backstop(locks)
     log.info("stopping; sandboxes keep running", extra={"fields": {"event": "stopping",
                                                                    "stop_timeout_s": clock.budget}})
     await node.reloader.close(clock.for_requests())

@@ -18,7 +18,9 @@ threads still at work. What does not end in its part is logged, naming
 what it was doing (the request, the sandbox, the call a thread is in), and
 left: the stop goes on. A thread still in a blocking call at the end would
 hold the interpreter's exit forever (it joins every worker thread), so the
-daemon then ends with os._exit (exit_now), its log flushed.
+daemon then ends with os._exit (exit_now), its log flushed. A last resort
+(StopClock.backstop) ends the process a few seconds past the deadline
+should the stop's own thread, the event loop's, be held in a blocking call.
 
 What was left is found by the next start as after a death: the stop keeps
 the state dir's running mark (node.RUNNING_MARK), so the execs left
@@ -36,7 +38,9 @@ import contextvars
 import logging
 import os
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Coroutine
 
 from . import doing
@@ -51,6 +55,9 @@ CLOSE_SHARE = 0.2
 LAST_SHARE = 0.05
 # How often the end of the stop looks whether the threads' work is over.
 THREAD_POLL_S = 0.02
+# How long after the deadline the last resort (StopClock.backstop) ends a
+# stop whose own thread, the event loop's, is held in a blocking call.
+BACKSTOP_S = 5.0
 
 
 class StopClock:
@@ -64,6 +71,27 @@ class StopClock:
         self.closes_end = self.began + self.budget * (1 - LAST_SHARE)
         self.end = self.began + self.budget
         self.late: list[str] = []       # the close steps that did not end in their time
+
+    def backstop(self, locks: list[int]) -> None:
+        """The last resort: a thread that ends the process BACKSTOP_S after
+        the deadline if it still runs then. Every wait of the stop ends by
+        the deadline, but the stop's own steps on the event loop's thread
+        (a ring or the journal written, an fd closed) are blocking calls no
+        deadline of the loop's can end: on a hung state dir one never
+        returns. It says where that thread is, gives up `locks` and exits."""
+        loop_thread = threading.get_ident()
+
+        def watch() -> None:
+            time.sleep(max(0.0, self.end + BACKSTOP_S - self._now()))
+            _say_stuck_loop(loop_thread, self)
+            for fd in locks:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            os._exit(0)
+
+        threading.Thread(target=watch, name="dsecd-stop-backstop", daemon=True).start()
 
     def elapsed(self) -> float:
         return self._now() - self.began
@@ -153,3 +181,23 @@ def exit_now(left: list[str], clock: StopClock, locks: list[int], status: int = 
             pass
     os._exit(status)
 
+
+def _say_stuck_loop(loop_thread: int, clock: StopClock) -> None:
+    """The last resort's one line, written to stderr without the logging
+    module's locks: the thread it is about may hold one, blocked in a write."""
+    frame = sys._current_frames().get(loop_thread)
+    where = "".join(traceback.format_stack(frame, limit=4)).strip() if frame is not None else "?"
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0,
+                            "stopping: the event loop's thread is still in a blocking call %.1f s into the stop "
+                            "(daemon.stop_timeout_s %g); the daemon exits now, leaving it (the next start takes "
+                            "this stop for a death): %s", (clock.elapsed(), clock.budget, where), None)
+    record.fields = {"event": "stop_backstop", "where": where}
+    handlers = logging.getLogger().handlers         # the daemon's one (dsecd/logs.py), on stderr
+    try:
+        line = handlers[0].format(record) if handlers else record.getMessage()
+    except Exception:               # a formatter that fails: the message as it is
+        line = record.getMessage()
+    try:
+        os.write(2, (line + "\n").encode(errors="replace"))
+    except OSError:
+        pass

@@ -199,6 +199,36 @@ def test_the_budget_is_shared_requests_first_then_the_close_then_the_rest():
     assert (clock.for_requests(), clock.for_closes(), clock.for_last()) == (0.0, 1.25, 5.0)
 
 
+def test_a_stop_whose_loop_thread_is_held_is_ended_by_the_last_resort(tmp_path):
+    """The stop's own steps on the event loop's thread are blocking calls
+    (a ring saved, an fd closed): on a hung state dir one never returns,
+    and no wait of the loop's can end it. The backstop thread ends the
+    process after the deadline, saying where that thread is."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "held.py"
+    script.write_text(
+        "import threading\n"
+        "from dsecd import logs, stopclock\n"
+        "stopclock.BACKSTOP_S = 0.1\n"
+        "logs.setup('info', 'json')\n"
+        "stopclock.StopClock(0.2).backstop([])\n"
+        "def save_ring_on_a_hung_disk():\n"
+        "    threading.Event().wait()\n"
+        "save_ring_on_a_hung_disk()\n")
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=20)
+    took = time.monotonic() - began
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stderr.strip().splitlines()[-1])
+    assert line["event"] == "stop_backstop" and line["level"] == "error", line
+    assert "save_ring_on_a_hung_disk" in line["where"], line
+    assert took < 10, took
+
+
 def test_the_default_stop_ends_before_systemd_kills_the_daemon(tmp_path):
     """systemd kills a unit whose stop outlasts TimeoutStopSec (90 s by
     default; the unit sets none), and then the stop's account of what it
@@ -208,12 +238,13 @@ def test_the_default_stop_ends_before_systemd_kills_the_daemon(tmp_path):
 
     import pytest
 
+    from dsecd import stopclock
     from dsecd.config import ConfigError, load_config
 
     unit = (Path(__file__).resolve().parents[2] / "systemd" / "dsecd.service").read_text()
     assert not re.search(r"^(TimeoutStopSec|TimeoutSec)=", unit, re.M), "the unit's stop timeout is no longer 90 s"
     budget = load_config(None).section("daemon")["stop_timeout_s"]
-    assert budget < 90
+    assert budget + stopclock.BACKSTOP_S < 90
     bad = tmp_path / "c.toml"
     bad.write_text("[daemon]\nstop_timeout_s = 0\n")
     with pytest.raises(ConfigError, match="daemon.stop_timeout_s"):
