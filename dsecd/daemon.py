@@ -393,7 +393,7 @@ async def stop_daemon(node: Node, server: Server, monitor: LoopMonitor, exporter
     left, and the daemon exits anyway (a last resort ends it a few seconds
     later should the event loop's own thread be held in a blocking call)."""
     clock = StopClock(node.cfg.section("daemon")["stop_timeout_s"])
-    clock.backstop(locks)
+    clock.backstop()
     log.info("stopping; sandboxes keep running", extra={"fields": {"event": "stopping",
                                                                    "stop_timeout_s": clock.budget}})
     await node.reloader.close(clock.for_requests())

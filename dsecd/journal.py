@@ -37,6 +37,7 @@ import os
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -114,6 +115,18 @@ def _replay(path: Path, records: dict[str, dict]) -> int:
     return lines
 
 
+# Every RecordLog of the process, for writes_under_way.
+_LOGS: weakref.WeakSet = weakref.WeakSet()
+
+
+def writes_under_way() -> list[str]:
+    """The logs whose lock some thread holds now: an append, or the end
+    of a compaction (its rename over the log), under way. A stop that exits
+    with threads stuck gives up the state dir only when this is empty
+    (dsecd/stopclock.py exit_now)."""
+    return sorted(str(rl.path) for rl in list(_LOGS) if rl._lock.locked())
+
+
 class RecordLog:
     """Records by id, kept in memory and in an append-only log; thread-safe.
 
@@ -138,6 +151,7 @@ class RecordLog:
         self._compact_with = compact_with
         self._compacting = False
         self._during: list[bytes] | None = None     # lines appended while a compaction copies
+        _LOGS.add(self)
 
     def _open(self) -> int:
         return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)

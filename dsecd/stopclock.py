@@ -43,7 +43,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine
 
-from . import doing
+from . import doing, journal
 
 log = logging.getLogger("dsecd")
 
@@ -72,23 +72,21 @@ class StopClock:
         self.end = self.began + self.budget
         self.late: list[str] = []       # the close steps that did not end in their time
 
-    def backstop(self, locks: list[int]) -> None:
+    def backstop(self) -> None:
         """The last resort: a thread that ends the process BACKSTOP_S after
         the deadline if it still runs then. Every wait of the stop ends by
         the deadline, but the stop's own steps on the event loop's thread
         (a ring or the journal written, an fd closed) are blocking calls no
         deadline of the loop's can end: on a hung state dir one never
-        returns. It says where that thread is, gives up `locks` and exits."""
+        returns. It says where that thread is and exits, keeping the flocks:
+        that thread is the one that writes the state dir (the journal,
+        the rings), and its call may still land when the kernel lets it
+        return; the locks go with the process, after that call."""
         loop_thread = threading.get_ident()
 
         def watch() -> None:
             time.sleep(max(0.0, self.end + BACKSTOP_S - self._now()))
             _say_stuck_loop(loop_thread, self)
-            for fd in locks:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
             os._exit(0)
 
         threading.Thread(target=watch, name="dsecd-stop-backstop", daemon=True).start()
@@ -166,15 +164,24 @@ def exit_now(left: list[str], clock: StopClock, locks: list[int], status: int = 
     read its server holds) keeps the process, and every fd it has, until
     that call returns, though no code of it runs again (the exit kills its
     threads as they leave the kernel). Closed here, a new daemon can start
-    on the state dir meanwhile."""
+    on the state dir meanwhile. Not while a journal write is under way
+    (journal.writes_under_way): that one call (an append, the rename that
+    ends a compaction) could still land after a new daemon began writing
+    the journal, and put an old record after its own or an old log over
+    it; the locks then go with the process, once that call returns."""
     log.warning("stopping: %d thing(s) still running %.1f s into the stop (daemon.stop_timeout_s %g): %s; "
                 "the daemon exits anyway, leaving them as they are (the next start takes this stop for a "
                 "death: it kills the execs left running and removes what a cut-short create left)",
                 len(left), clock.elapsed(), clock.budget, "; ".join(left),
                 extra={"fields": {"event": "stop_exit_anyway", "left": left}})
+    writing = journal.writes_under_way()
+    if writing:
+        log.warning("stopping: a write of %s is under way; the state dir stays locked until it returns (a new "
+                    "daemon cannot start on it before)", ", ".join(writing),
+                    extra={"fields": {"event": "stop_keeps_state_lock", "writing": writing}})
     sys.stdout.flush()
     atexit._run_exitfuncs()         # logging.shutdown among them: every line written
-    for fd in locks:
+    for fd in locks if not writing else ():
         try:
             os.close(fd)
         except OSError:

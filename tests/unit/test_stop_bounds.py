@@ -215,7 +215,7 @@ def test_a_stop_whose_loop_thread_is_held_is_ended_by_the_last_resort(tmp_path):
         "from dsecd import logs, stopclock\n"
         "stopclock.BACKSTOP_S = 0.1\n"
         "logs.setup('info', 'json')\n"
-        "stopclock.StopClock(0.2).backstop([])\n"
+        "stopclock.StopClock(0.2).backstop()\n"
         "def save_ring_on_a_hung_disk():\n"
         "    threading.Event().wait()\n"
         "save_ring_on_a_hung_disk()\n")
@@ -249,3 +249,57 @@ def test_the_default_stop_ends_before_systemd_kills_the_daemon(tmp_path):
     bad.write_text("[daemon]\nstop_timeout_s = 0\n")
     with pytest.raises(ConfigError, match="daemon.stop_timeout_s"):
         load_config(str(bad))
+
+
+class _Exited(Exception):
+    pass
+
+
+def _exit_now_keeps(tmp_path, monkeypatch, hold_journal: bool) -> bool:
+    """Run exit_now with one lock fd, os._exit and atexit stubbed: whether
+    the fd is still open after it (the lock kept)."""
+    import atexit
+    import os
+    import threading
+
+    from dsecd import journal, stopclock
+
+    monkeypatch.setattr(stopclock.os, "_exit", lambda status: (_ for _ in ()).throw(_Exited(status)))
+    monkeypatch.setattr(atexit, "_run_exitfuncs", lambda: None)
+    rl = journal.RecordLog(tmp_path / "sandboxes.log")
+    fd = os.open(tmp_path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    holding, release = threading.Event(), threading.Event()
+
+    def stuck_append() -> None:          # a write on a hung disk, under the log's lock
+        with rl._lock:
+            holding.set()
+            release.wait(10)
+
+    t = threading.Thread(target=stuck_append)
+    if hold_journal:
+        t.start()
+        holding.wait(10)
+    try:
+        stopclock.exit_now(["thread w in a read"], stopclock.StopClock(1), [fd])
+    except _Exited:
+        pass
+    release.set()
+    if hold_journal:
+        t.join()
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+def test_a_stop_that_exits_with_a_journal_write_under_way_keeps_the_state_dir_locked(tmp_path, monkeypatch):
+    """A thread stuck in an append or a compaction's rename may still land
+    its one call after the exit: a new daemon must not start writing the
+    journal before it has."""
+    assert _exit_now_keeps(tmp_path, monkeypatch, hold_journal=True)
+
+
+def test_a_stop_that_exits_with_threads_stuck_elsewhere_gives_up_its_locks(tmp_path, monkeypatch):
+    assert not _exit_now_keeps(tmp_path, monkeypatch, hold_journal=False)
