@@ -857,8 +857,9 @@ def test_qemu_killed_by_its_memory_limit_is_an_oom_event(daemon_factory, busybox
             time.sleep(0.1)
         assert not os.path.exists(f"/proc/{pid}")
         kinds = {e["event"]: e for e in _events(d, sb.id)}
-        assert "oom" in kinds and kinds["oom"]["kills"] >= 1, kinds
-        assert kinds["died"]["reason"] == "exited"
+        said = [ln for ln in d.log.read_text(errors="replace").splitlines() if sb.id in ln][-12:]
+        assert "oom" in kinds and kinds["oom"]["kills"] >= 1, f"{kinds}\n" + "\n".join(said)
+        assert kinds["died"]["reason"] == "exited", f"{kinds['died']}"
         sb.destroy()
     finally:
         c.close()
