@@ -364,7 +364,7 @@ async def _regrouped(chunks, size: int, what: str) -> AsyncIterator[bytes]:
 
 
 # What the daemon's write errors say of a file a failed write left part of
-# (engine/copier.py, engine/microvms.py).
+# (engine/copier.py, engine/vmfiles.py).
 PARTLY_WRITTEN = "the file is partly written"
 
 

@@ -48,6 +48,7 @@ from .engine.procs import ProcessService, ProcLimits
 from .engine.sandboxes import SandboxRegistry
 from .engine.starts import ProcessStarter
 from .engine.vmballoon import BalloonService, settings_from
+from .engine.vmfiles import VmFiles
 from .engine.vmtemplates import TemplateService
 from .engine.vmwatchdog import VmWatchdog
 from .engine.watches import WatchService
@@ -166,13 +167,19 @@ class Node:
         self.image_service = ImageService(cfg, features, layout, root, self.registry, self.workers,
                                           float(cfg.section("memory")["freeze_timeout_s"]))
         self.vms = make_microvm_service(cfg, features, layout, self.workers, self.image_service.images.store.path)
+        vm_cfg = cfg.section("microvm")
+        self.vm_watchdog = VmWatchdog(self.registry, vm_cfg["watchdog_interval_s"], vm_cfg["watchdog_timeout_s"])
+        self.vm_balloon = BalloonService(self.registry, settings_from(cfg), bool(vm_cfg["balloon"]))
+        self.vms.balloon = self.vm_balloon
+        self.vm_files = VmFiles(self.vms.agent, self.vms.request_running, self.vms.watch_started, self.workers,
+                                cfg.size("limits", "max_exec_output_bytes"), self.vm_balloon)
         self.memory = MemoryService(cfg, root, self.registry, self.workers, self.events, self.vms)
         self.net_service = NetworkService(cfg, layout, root, self.limits["max_sandboxes"], self.registry,
                                           self.workers, self.backend)
         self.net_service.events = self.events
         self.procs = ProcessService(self.registry, self.workers, self.backend, self.memory.ensure_running,
                                     ProcLimits.from_config(cfg), self.policies, self.vms,
-                                    self.denials, output_dir=state / PROC_OUTPUT_DIR)
+                                    self.denials, output_dir=state / PROC_OUTPUT_DIR, vm_files=self.vm_files)
         self.lifecycle = LifecycleService(self.registry, self.workers, self.backend, self.image_service.layers,
                                           self.net_service, self.memory, self.events, self.cpu, self.id_ranges,
                                           self.procs, self.vms)
@@ -180,34 +187,32 @@ class Node:
         self.vms.net = self.net_service
         self.vms.relinked = self.procs.vm.linked
         self.image_service.after_gc = self.vms.gc_templates
-        self.image_service.vm_upper = self.vms.upper_tree
-        vm_cfg = cfg.section("microvm")
-        self.vm_watchdog = VmWatchdog(self.registry, vm_cfg["watchdog_interval_s"], vm_cfg["watchdog_timeout_s"])
-        self.vm_balloon = BalloonService(self.registry, settings_from(cfg), bool(vm_cfg["balloon"]))
-        self.vms.balloon = self.vm_balloon
+        self.image_service.vm_upper = self.vm_files.upper_tree
         self.lifetimes = LifetimeService(self.registry, self.workers, self.events, self.memory,
                                          self.lifecycle.destroy_sandbox)
         self.create_service = CreateService(cfg, self.registry, self.workers, self.backend, self.image_service,
                                             self.net_service, self.memory, self.cpu, self.id_ranges,
-                                            self.lifecycle, disk_default, self.policies.for_create, self.vms)
+                                            self.lifecycle, disk_default, self.policies.for_create, self.vms,
+                                            self.vm_files)
         self.starter = ProcessStarter(self.workers)
         exec_limits = ExecLimits.from_config(cfg)
         self.exec_service = ExecService(self.registry, self.workers, self.starter, self.backend,
                                         self.memory.ensure_running, exec_limits, self._devnull, self.policies,
-                                        self.denials, self.vms, self.memory.oom_killed_since)
+                                        self.denials, self.vms, self.memory.oom_killed_since, self.vm_files)
         self.builds = BuildService(cfg, self.registry, self.workers, self.image_service, self.create_service,
                                    self.exec_service, self.lifecycle.destroy_sandbox, upper_mode == "tmpfs")
         copy_temps = CopyTemps(state / copytemps.DIR)
         self.file_service = FileService(self.registry, self.workers, self.memory.ensure_running,
                                         cfg.size("limits", "max_file_chunk_bytes"), self.backend.copy_by_init,
-                                        self.vms, copy_temps, self.events)
+                                        self.vm_files, copy_temps, self.events)
         self.watch_service = WatchService(self.registry, self.workers, self.events, self.memory.ensure_running,
-                                          self.limits["max_watches"], self.limits["max_watch_dirs"], self.vms)
+                                          self.limits["max_watches"], self.limits["max_watch_dirs"], self.vm_files,
+                                          self.vms.watch_over)
         self.dir_copies = DirCopyService(self.registry, self.workers, self.memory.ensure_running,
                                          cfg.size("limits", "max_file_chunk_bytes"), self.limits["max_tar_entries"],
                                          cfg.size("limits", "max_tar_bytes"), self.limits["max_tar_puts"],
                                          float(self.limits["frame_timeout_s"]), self.backend.copy_by_init,
-                                         self.vms, copy_temps, self.file_service.hold_temporary,
+                                         self.vm_files, copy_temps, self.file_service.hold_temporary,
                                          self.file_service.hold_vm_temporary, self.events,
                                          self.file_service.journal_vm_temporary,
                                          self.file_service.end_vm_temporary)

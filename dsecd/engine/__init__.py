@@ -16,6 +16,7 @@ starts.py     ProcessStarter: a process started by a sandbox's init or the exec 
 execs.py      ExecService: execs, their streams and stdin, by init or the helper
 procs.py      ProcessService: background processes, their output rings, restarts survived
 vmprocs.py    VmProcs: a microVM's background processes, kept by its guest agent, re-attached
+vmfiles.py    VmFiles: a microVM's files, directory copies, file watches and writable layer, via its agent
 policies.py   PolicyService: which task policy (Landlock) each exec runs under, `policy_list`
 denials.py    DenialService: task-policy denials counted per sandbox, policy and exec; `denied` events
 files.py      FileService: read, write, list and stat inside a sandbox

@@ -82,6 +82,7 @@ from .microvms import MicroVMService
 from .network import NetworkService
 from .opkeys import args_digest
 from .sandboxes import Sandbox, SandboxRegistry, in_root
+from .vmfiles import VmFiles
 from .workers import Workers, to_the_end
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,7 @@ class CreateService:
     def __init__(self, cfg, registry: SandboxRegistry, workers: Workers, backend, images: ImageService,
                  net: NetworkService, memory: MemoryService, cpu: CpuHost, id_ranges: IdRanges,
                  lifecycle: LifecycleService, disk_default: int, policy_for_create,
-                 vms: MicroVMService | None = None):
+                 vms: MicroVMService | None = None, vm_files: VmFiles | None = None):
         # policies.for_create: a create's `policy` as the sandbox records it (dsecd/engine/policies.py)
         self.policy_for_create = policy_for_create
         self.sb_defaults = cfg.section("sandbox")
@@ -225,6 +226,7 @@ class CreateService:
         self.lifecycle = lifecycle
         self.disk_default = disk_default
         self.vms = vms
+        self.vm_files = vm_files        # a microVM's image files: its user's ids, its cwd
         try:
             self.default_ttl = parse_duration(self.sb_defaults["default_ttl"] or None, "sandbox.default_ttl")
         except BadRequest as err:
@@ -972,7 +974,7 @@ class CreateService:
     async def _identity(self, sb: Sandbox, spec: str, source: str) -> users.Identity:
         """`spec` -> ids, in the image's /etc/passwd and /etc/group (nothing has run in `sb` yet)."""
         try:
-            return await sandbox_identity(sb, spec, self.workers, self.vms, "the image")
+            return await sandbox_identity(sb, spec, self.workers, self.vm_files, "the image")
         except imageconfig.ConfigError as err:
             raise BadRequest(f"image {sb.image!r}: {source} {spec!r}: {err}", {"user": spec}) from err
         except users.UserError as err:
@@ -987,7 +989,7 @@ class CreateService:
         if cwd == "/":
             return
         if sb.backend == "microvm":
-            return await self.vms.check_cwd(sb, cwd, make)
+            return await self.vm_files.check_cwd(sb, cwd, make)
         try:
             # On copies of the root: a cancelled create's undo closes the handle's.
             found = await in_root(self.workers, sb, sbfiles.is_directory, cwd)

@@ -30,8 +30,8 @@ from . import copier
 from .events import EventBus
 from .execs import owner_ids
 from .files import CopyByInit
-from .microvms import MicroVMService
 from .sandboxes import Sandbox, SandboxRegistry
+from .vmfiles import VmFiles
 from .workers import Workers
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class DirCopyService:
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, ensure_running, max_chunk: int,
                  max_entries: int, max_bytes: int, max_puts: int, idle_timeout: float, copy_by_init: CopyByInit,
-                 vms: MicroVMService | None = None, temps: CopyTemps | None = None, hold_temporary=None,
+                 vm_files: VmFiles | None = None, temps: CopyTemps | None = None, hold_temporary=None,
                  hold_vm_temporary=None, events: EventBus | None = None, journal_vm_temporary=None,
                  end_vm_temporary=None):
         self.registry = registry
@@ -151,7 +151,7 @@ class DirCopyService:
         self.hold_vm_temporary = hold_vm_temporary      # FileService's, for a microVM's
         self.journal_vm_temporary = journal_vm_temporary    # and what records one made, for the next daemon
         self.end_vm_temporary = end_vm_temporary            # and what removes one whose request was cancelled
-        self.vms = vms                  # microVM sandboxes' copies run in their guests (MicroVMService)
+        self.vm_files = vm_files        # microVM sandboxes' copies run in their guests (VmFiles)
         self.copy_by_init = copy_by_init
         self.workers = workers
         self.ensure_running = ensure_running
@@ -204,7 +204,7 @@ class DirCopyService:
     async def put(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
         await self.ensure_running(sb, "a directory copy")
-        owner = await owner_ids(sb, req.owner, self.workers, self.vms)
+        owner = await owner_ids(sb, req.owner, self.workers, self.vm_files)
         if self.puts >= self.max_puts:
             raise LimitExceeded(f"{self.puts} directory copies into sandboxes are running (limits.max_tar_puts); "
                                 "wait for one to end", {"max_tar_puts": self.max_puts})
@@ -237,8 +237,8 @@ class DirCopyService:
                 if req.temporary and self.hold_vm_temporary is not None:
                     release = self.hold_vm_temporary(sb.id, req.path, ctx, True)
                 try:
-                    out = await self.vms.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes, owner,
-                                                 self.max_chunk if req.dirs else 0)
+                    out = await self.vm_files.tar_put(sb, req.path, pipe, self.max_entries, self.max_bytes, owner,
+                                                      self.max_chunk if req.dirs else 0)
                     if release is not None and self.journal_vm_temporary is not None:
                         await self.journal_vm_temporary(sb, req.path)
                     return out
@@ -397,7 +397,7 @@ class DirCopyService:
 
     async def _get(self, sb: Sandbox, req, ctx) -> dict:
         if sb.backend == "microvm":
-            return await self.vms.tar_get(sb, req.path, self.max_entries, self.max_bytes, ctx)
+            return await self.vm_files.tar_get(sb, req.path, self.max_entries, self.max_bytes, ctx)
         where = f"{sb.id}:{req.path}"
         idmap = userns.IdMap.from_record(sb.idmap)
         root = sb.root_copy()       # the tar's: closed once its top is open, or at its close

@@ -47,6 +47,7 @@ from .opkeys import output_bytes
 from .policies import Applied, PolicyService
 from .sandboxes import Sandbox, SandboxRegistry, in_root
 from .starts import ProcessStarter
+from .vmfiles import VmFiles
 from .workers import Workers
 
 # Waits before retrying an exec that failed with ETXTBSY (ExecService.exec).
@@ -84,7 +85,7 @@ def check_env(env: dict) -> None:
                              "and a value without NUL", {"name": k})
 
 
-async def named_user(sb: Sandbox, spec: str, workers: Workers, vms: MicroVMService) -> users.Identity:
+async def named_user(sb: Sandbox, spec: str, workers: Workers, vm_files: VmFiles) -> users.Identity:
     """The ids (and home) of an exec's user given as a string ("app",
     "app:staff", "1000", "1000:50"), as `docker exec --user` takes it:
     looked up in the sandbox's own /etc/passwd and /etc/group as they are
@@ -94,7 +95,7 @@ async def named_user(sb: Sandbox, spec: str, workers: Workers, vms: MicroVMServi
         raise BadRequest("user must not be empty: give a uid, a name, name:group or uid:gid, or none for "
                          "the sandbox's user", {"user": spec})
     try:
-        return await sandbox_identity(sb, spec, workers, vms, "the sandbox")
+        return await sandbox_identity(sb, spec, workers, vm_files, "the sandbox")
     except ConfigError as err:              # parse_user's: it names the spec
         raise BadRequest(str(err), {"user": spec}) from err
     except users.UserError as err:
@@ -103,7 +104,7 @@ async def named_user(sb: Sandbox, spec: str, workers: Workers, vms: MicroVMServi
 
 
 async def owner_ids(sb: Sandbox, owner: int | str | None, workers: Workers,
-                    vms: MicroVMService | None) -> tuple[int, int] | None:
+                    vm_files: VmFiles | None) -> tuple[int, int] | None:
     """The sandbox (uid, gid) that the entries a file request makes belong
     to: its `owner` as an exec's `user` is given (a uid, whose gid is the
     same number; or "name", "uid", "name:group", "uid:gid" looked up in the
@@ -116,7 +117,7 @@ async def owner_ids(sb: Sandbox, owner: int | str | None, workers: Workers,
             raise BadRequest("owner must not be empty: give a uid, a name, name:group or uid:gid, or none for "
                              "root", {"owner": owner})
         try:
-            ident = await sandbox_identity(sb, owner, workers, vms, "the sandbox")
+            ident = await sandbox_identity(sb, owner, workers, vm_files, "the sandbox")
         except ConfigError as err:
             raise BadRequest(str(err).replace("user", "owner", 1), {"owner": owner}) from err
         except users.UserError as err:
@@ -134,7 +135,7 @@ async def owner_ids(sb: Sandbox, owner: int | str | None, workers: Workers,
     return uid, gid
 
 
-async def request_user(sb: Sandbox, req, why: str, workers: Workers, vms: MicroVMService,
+async def request_user(sb: Sandbox, req, why: str, workers: Workers, vm_files: VmFiles,
                        ensure_running: Callable[[Sandbox, str], Awaitable[None]]) -> users.Identity | None:
     """The user an exec or background process request names as a string
     (named_user), None for a uid or none. A microVM is resumed first: its
@@ -143,27 +144,27 @@ async def request_user(sb: Sandbox, req, why: str, workers: Workers, vms: MicroV
         return None
     if sb.backend == "microvm":
         await ensure_running(sb, why)
-    return await named_user(sb, req.user, workers, vms)
+    return await named_user(sb, req.user, workers, vm_files)
 
 
-async def sandbox_identity(sb: Sandbox, spec: str, workers: Workers, vms: MicroVMService | None,
+async def sandbox_identity(sb: Sandbox, spec: str, workers: Workers, vm_files: VmFiles | None,
                            holder: str) -> users.Identity:
     """`spec` -> ids, reading the sandbox's /etc/passwd and /etc/group only if
     the spec needs them (a create's, before anything ran: the image's; an
     exec's: as they are now). ConfigError and users.UserError as
     users.resolve's, naming `holder`."""
     need_passwd, need_group = users.files_needed(spec)
-    passwd = await account_file(sb, "/etc/passwd", workers, vms) if need_passwd else None
-    group = await account_file(sb, "/etc/group", workers, vms) if need_group else None
+    passwd = await account_file(sb, "/etc/passwd", workers, vm_files) if need_passwd else None
+    group = await account_file(sb, "/etc/group", workers, vm_files) if need_group else None
     return users.resolve(spec, passwd, group, holder)
 
 
-async def account_file(sb: Sandbox, path: str, workers: Workers, vms: MicroVMService | None) -> str | None:
+async def account_file(sb: Sandbox, path: str, workers: Workers, vm_files: VmFiles | None) -> str | None:
     """The text of an account file of the sandbox (its first
     users.MAX_ACCOUNT_FILE bytes), None if it has none."""
     if sb.backend == "microvm":
         try:
-            r = await vms.file_op(sb, FileRead(sandbox=sb.id, path=path, length=users.MAX_ACCOUNT_FILE))
+            r = await vm_files.file_op(sb, FileRead(sandbox=sb.id, path=path, length=users.MAX_ACCOUNT_FILE))
         except NotFound:
             return None
         return r["data"].decode("utf-8", "replace")
@@ -304,7 +305,8 @@ class ExecService:
     def __init__(self, registry: SandboxRegistry, workers: Workers, starter: ProcessStarter, backend,
                  ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ExecLimits, devnull: int,
                  policies: PolicyService, denials: DenialService | None = None, vms: MicroVMService | None = None,
-                 oom_killed_since: Callable[[Sandbox, int], Awaitable[bool]] | None = None):
+                 oom_killed_since: Callable[[Sandbox, int], Awaitable[bool]] | None = None,
+                 vm_files: VmFiles | None = None):
         self.oom_killed_since = oom_killed_since or _no_oom_count
         self.policies = policies
         self.denials = denials
@@ -316,6 +318,7 @@ class ExecService:
         self.limits = limits
         self.devnull = devnull
         self.vms = vms
+        self.vm_files = vm_files        # a microVM's /etc/passwd and /etc/group, for a named user
 
     async def exec(self, req, ctx) -> dict:
         sb = self.registry.get(req.sandbox, req)
@@ -341,7 +344,7 @@ class ExecService:
         max_t = self.limits.max_timeout_s
         if timeout is not None and not 0 < timeout <= (max_t or float("inf")):
             raise BadRequest(f"timeout must be in (0, {max_t}] seconds, got {timeout}")
-        named = await request_user(sb, req, "an exec", self.workers, self.vms, self.ensure_running)
+        named = await request_user(sb, req, "an exec", self.workers, self.vm_files, self.ensure_running)
         env, cwd, ids = exec_target(sb, req, self.backend, named)
         if sb.backend == "microvm" and (req.policy is not None or sb.policy is not None):
             raise Unsupported(f"sandbox {sb.id} is a microVM: task policies (Landlock in dsec-init) are "

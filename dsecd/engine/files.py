@@ -30,8 +30,8 @@ from ..initlink import InitExec
 from . import copier
 from .events import EventBus
 from .execs import owner_ids
-from .microvms import MicroVMService
 from .sandboxes import Sandbox, SandboxRegistry, in_root
+from .vmfiles import VmFiles
 from .workers import Workers
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class FileService:
 
     def __init__(self, registry: SandboxRegistry, workers: Workers,
                  ensure_running: Callable[[Sandbox, str], Awaitable[None]], max_chunk: int,
-                 copy_by_init: CopyByInit, vms: MicroVMService | None = None, temps: CopyTemps | None = None,
+                 copy_by_init: CopyByInit, vm_files: VmFiles | None = None, temps: CopyTemps | None = None,
                  events: EventBus | None = None):
         self.registry = registry
         self.temps = temps
@@ -73,7 +73,7 @@ class FileService:
         self.ensure_running = ensure_running
         self.max_chunk = max_chunk
         self.copy_by_init = copy_by_init
-        self.vms = vms
+        self.vm_files = vm_files
 
     async def _file_op(self, req, verb: str, fn, *args, opens: bool = False,
                        stop: threading.Event | None = None):
@@ -85,9 +85,9 @@ class FileService:
         fn to return."""
         sb = self.registry.get(req.sandbox, req)
         await self.ensure_running(sb, f"a file {verb}")
-        owner = await owner_ids(sb, getattr(req, "owner", None), self.workers, self.vms)
+        owner = await owner_ids(sb, getattr(req, "owner", None), self.workers, self.vm_files)
         if sb.backend == "microvm":
-            return await self.vms.file_op(sb, req, owner)
+            return await self.vm_files.file_op(sb, req, owner)
         root = sb.root_copy()           # the worker's: closed when it is done, or dropped with it
         op = functools.partial(userns.file_op, owner=owner)
         idmap = userns.IdMap.from_record(sb.idmap)
@@ -142,12 +142,12 @@ class FileService:
         sb = self.registry.get(req.sandbox, req)
         if sb.backend == "microvm":
             await self.ensure_running(sb, "a file write")
-            owner = await owner_ids(sb, req.owner, self.workers, self.vms)
+            owner = await owner_ids(sb, req.owner, self.workers, self.vm_files)
             # Held from before its first chunk is sent: a client killed while
             # it is written (the agent writes it all the same) leaves it too.
             release = self.hold_vm_temporary(sb.id, req.path, ctx) if req.temporary and not keep else None
             try:
-                out = await self.vms.file_op(sb, req, owner)
+                out = await self.vm_files.file_op(sb, req, owner)
             except DsecError:
                 if release is not None:     # not made, or the writer removes it itself: no longer ours to remove
                     release()
@@ -327,7 +327,7 @@ class FileService:
         if self.temps is None or entry is None or entry[0] is not None:
             return
         try:
-            ids = await self.vms.identity(sb, path)
+            ids = await self.vm_files.identity(sb, path)
         except DsecError as err:
             log.debug("sandbox %s: %s, a temporary, not recorded: %s", sb.id, path, err)
             return
@@ -366,7 +366,7 @@ class FileService:
             return
         rec = entry[0]
         sb = self.registry.by_id.get(sb_id)
-        if sb is None or self.vms is None:
+        if sb is None or self.vm_files is None:
             if rec is not None:
                 await self.workers.run(self.temps.drop, rec)
             return
@@ -383,7 +383,7 @@ class FileService:
                     await self.workers.run(self.temps.drop, rec)
                 return
             try:
-                await self.vms.file_op(sb, protocol.FileRemove(sandbox=sb_id, path=path, recursive=tree))
+                await self.vm_files.file_op(sb, protocol.FileRemove(sandbox=sb_id, path=path, recursive=tree))
             except DsecError as err:
                 if err.code != "not_found":
                     log.warning("sandbox %s: cannot remove %s, the temporary copy of a write %s: %s; remove it "
@@ -526,9 +526,9 @@ class FileService:
         no more; logged either way."""
         try:
             async with asyncio.timeout(VM_SWEEP_TIMEOUT_S):
-                if await self.vms.identity(sb, path) != (dev, ino):
+                if await self.vm_files.identity(sb, path) != (dev, ino):
                     return
-                await self.vms.file_op(sb, protocol.FileRemove(sandbox=sb.id, path=path, recursive=True))
+                await self.vm_files.file_op(sb, protocol.FileRemove(sandbox=sb.id, path=path, recursive=True))
         except (DsecError, TimeoutError) as err:
             if not isinstance(err, DsecError) or err.code != "not_found":
                 log.warning("sandbox %s: cannot remove %s, the temporary copy of a write %s: %s; remove it "

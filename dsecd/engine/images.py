@@ -191,7 +191,7 @@ class ImageService:
         # templates of them); given the digests the store keeps, answers a list.
         self.after_gc = None
         # Set by the node: a microVM's writable layer as a host dir for snapshot
-        # (MicroVMService.upper_tree).
+        # (VmFiles.upper_tree).
         self.vm_upper = None
         # Set by the node: the paths of a sandbox that clients are writing
         # under a temporary name now (FileService.temporaries), and that

@@ -67,6 +67,7 @@ from .denials import DenialService
 from .execs import exec_target, request_user
 from .policies import PolicyService
 from .sandboxes import Sandbox, SandboxRegistry
+from .vmfiles import VmFiles
 from .vmprocs import VmProcs
 from .workers import Workers
 
@@ -310,11 +311,12 @@ class ProcessService:
     def __init__(self, registry: SandboxRegistry, workers: Workers, backend,
                  ensure_running: Callable[[Sandbox, str], Awaitable[None]], limits: ProcLimits,
                  policies: PolicyService, vms, denials: DenialService | None = None,
-                 output_dir: Path | None = None):
+                 output_dir: Path | None = None, vm_files: VmFiles | None = None):
         self.policies = policies
         # Where a clean stop saves the rings for the next daemon (OUTPUT_DIR); None: they go with it.
         self.output_dir = output_dir
         self.vms = vms              # MicroVMService: the channel to a microVM's agent
+        self.vm_files = vm_files    # VmFiles: a microVM's /etc/passwd and /etc/group, for a named user
         self.denials = denials
         self.registry = registry
         self.workers = workers
@@ -340,7 +342,7 @@ class ProcessService:
                                                 _as_it_was)
 
     async def _start(self, sb: Sandbox, req) -> dict:
-        named = await request_user(sb, req, "starting a process", self.workers, self.vms, self.ensure_running)
+        named = await request_user(sb, req, "starting a process", self.workers, self.vm_files, self.ensure_running)
         env, cwd, ids = exec_target(sb, req, self.backend, named)
         table = self.tables.setdefault(sb.id, {})
         with self._room(sb, table):

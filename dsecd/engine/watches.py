@@ -18,14 +18,16 @@ import asyncio
 import contextlib
 import errno
 import os
+from collections.abc import Callable
 
 from .. import native
+from ..backends.microvm.agent import AgentExec
 from ..errors import BadRequest, Conflict, DsecError, LimitExceeded, io_error
 from ..fs import files as sbfiles
 from ..fs import watch as fswatch
 from .events import EventBus
-from .microvms import MicroVMService
-from .sandboxes import SandboxRegistry
+from .sandboxes import Sandbox, SandboxRegistry
+from .vmfiles import VmFiles
 from .workers import Workers
 
 # Sandbox events that end its watches: it is gone.
@@ -53,9 +55,11 @@ class WatchService:
     `max_dirs` how many directories one may watch."""
 
     def __init__(self, registry: SandboxRegistry, workers: Workers, events: EventBus, ensure_running,
-                 max_watches: int, max_dirs: int, vms: MicroVMService | None = None):
+                 max_watches: int, max_dirs: int, vm_files: VmFiles | None = None,
+                 vm_watch_over: Callable[[Sandbox, AgentExec], None] | None = None):
         self.registry = registry
-        self.vms = vms                  # a microVM sandbox's watch runs in its guest (MicroVMService)
+        self.vm_files = vm_files        # a microVM sandbox's watch runs in its guest (VmFiles)
+        self.vm_watch_over = vm_watch_over      # MicroVMService.watch_over: a pause no longer ends its child
         self.workers = workers
         self.events = events
         self.ensure_running = ensure_running
@@ -218,7 +222,7 @@ class WatchService:
         gone = _SandboxGone(sb.id, wake)
         self.events.subscribers.add(gone)
         try:
-            link, run = await self.vms.start_watch(sb, path, recursive, self.max_dirs)
+            link, run = await self.vm_files.start_watch(sb, path, recursive, self.max_dirs)
         except BaseException:
             self.events.subscribers.discard(gone)
             raise
@@ -278,7 +282,7 @@ class WatchService:
                 with contextlib.suppress(Exception):
                     run.kill()
             link.forget(run)
-            self.vms.watch_over(sb, run)
+            self.vm_watch_over(sb, run)
 
     async def _vm_record(self, f: list[str], top: str, where: str, ctx) -> dict | None:
         """One record of the guest's watch child; the request's result once it is the last."""

@@ -907,10 +907,10 @@ class ImageStore:
     def _remove_scratch_leftovers(self) -> None:
         """Remove the trees a killed daemon left unpacking a tarball
         (_unpacked_layers), merging an image's layers (_flatten) or a
-        microVM's writable layer (MicroVMService.
-        upper_tree): nothing else removes them, and they can hold an image's
-        every byte. The scratch dir is its daemon's alone (the state dir's
-        lock), so at start none of them is a write still going."""
+        microVM's writable layer (VmFiles.upper_tree): nothing else removes
+        them, and they can hold an image's every byte. The scratch dir is its
+        daemon's alone (the state dir's lock), so at start none of them is a
+        write still going."""
         for prefix in (UNPACK_PREFIX, "vm-upper-"):
             for entry in self.scratch.glob(f"{prefix}*"):
                 shutil.rmtree(entry, ignore_errors=True)

@@ -1,9 +1,10 @@
 """Idempotency keys and input offsets on a microVM sandbox: what
 test_op_keys.py proves of a container, for the paths a VM has of its own
-(an exec and a snapshot through dsecd/engine/microvms.py, a background
-process kept by the guest agent, whose input the agent counts and skips by
-offset). A request whose connection drops after it was written is sent
-again by the SDK, and what it does happens once.
+(an exec through dsecd/engine/microvms.py, a snapshot through
+dsecd/engine/vmfiles.py, a background process kept by the guest agent,
+whose input the agent counts and skips by offset). A request whose
+connection drops after it was written is sent again by the SDK, and what
+it does happens once.
 
 One VM for the module (TCG boots are slow), from the run's VM templates;
 each test leaves no process of its own running in it.

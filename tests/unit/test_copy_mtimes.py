@@ -6,7 +6,7 @@ the tar `dsec cp SB:/dir -` writes (dsecd/cptar.py). An entry of whole
 seconds gets no pax header: each costs 1 KiB of the stream. A copy in
 takes such a record to the nanosecond too: the container backend's
 unpack (tarcopy.put_tree) and the records a microVM's agent is sent
-(dsecd/engine/microvms.py _put_records)."""
+(dsecd/engine/vmfiles.py _put_records)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 
 from dsecd import cptar, localcopy, tarsafe
 from dsecd.backends.microvm import wire
-from dsecd.engine.microvms import _put_records
+from dsecd.engine.vmfiles import _put_records
 from dsecd.fs import tarcopy
 
 NS = 10**9

@@ -8,7 +8,7 @@ import io
 import os
 import tarfile
 
-from dsecd.engine.microvms import _put_records
+from dsecd.engine.vmfiles import _put_records
 from dsecd.fs import tarcopy
 
 

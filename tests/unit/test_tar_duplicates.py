@@ -136,7 +136,7 @@ def _records(data: bytes, agent_version: int | None = None) -> list[tuple[str, s
     """The records a microVM put sends its guest for the tar `data`: (kind, name, mode)."""
     import struct
 
-    from dsecd.engine.microvms import _put_records
+    from dsecd.engine.vmfiles import _put_records
 
     out = bytearray()
     kw = {} if agent_version is None else {"agent_version": agent_version}

@@ -87,8 +87,8 @@ def test_a_whole_tar_without_its_padding_is_taken(tmp_path):
 @pytest.mark.parametrize("cut", CUTS)
 def test_a_microvm_put_refuses_a_cut_tar_too(cut):
     """The microVM backend reads the tar on the host the same way
-    (engine/microvms.py _put_records) before its records reach the guest."""
-    from dsecd.engine.microvms import _put_records
+    (engine/vmfiles.py _put_records) before its records reach the guest."""
+    from dsecd.engine.vmfiles import _put_records
 
     sent: list[tuple[bytes, bool]] = []
     with pytest.raises(tarfile.ReadError, match="cut short"):
@@ -119,7 +119,7 @@ def test_directories_the_archive_does_not_name_get_0755(tmp_path):
 def test_a_microvm_put_gives_them_0755_too():
     import struct
 
-    from dsecd.engine.microvms import _put_records
+    from dsecd.engine.vmfiles import _put_records
 
     out = bytearray()
     _put_records(io.BytesIO(_only_a_file()), lambda data, eof: out.extend(data), 100, 1 << 20)
@@ -153,7 +153,7 @@ def test_a_tar_whose_header_is_damaged_is_refused(tmp_path):
 
 
 def test_a_microvm_put_refuses_a_damaged_header_too():
-    from dsecd.engine.microvms import _put_records
+    from dsecd.engine.vmfiles import _put_records
 
     sent: list[tuple[bytes, bool]] = []
     with pytest.raises(tarfile.ReadError):

@@ -1,4 +1,4 @@
-"""What a microVM's full writable layer or /tmp says (MicroVMService._full):
+"""What a microVM's full writable layer or /tmp says (VmFiles._full):
 the cap that was met and what to change, and what the failed request left."""
 
 from __future__ import annotations
@@ -6,8 +6,11 @@ from __future__ import annotations
 import errno
 from types import SimpleNamespace
 
+from vm_kit import vm_files
+
 from dsecd.backends.microvm.backend import upper_cap
 from dsecd.engine.microvms import MicroVMService
+from dsecd.engine.vmfiles import VmFiles
 
 
 def _vm(disk: int, memory: int = 256 << 20):
@@ -15,19 +18,19 @@ def _vm(disk: int, memory: int = 256 << 20):
 
 
 def test_a_disk_below_half_the_memory_is_the_cap_to_raise():
-    err = MicroVMService._full("write", "vm1:/m2", _vm(1 << 20))
+    err = VmFiles._full("write", "vm1:/m2", _vm(1 << 20))
     assert err.code == "limit" and err.detail["errno"] == "ENOSPC"
     assert "a larger --disk" in err.message, err.message
 
 
 def test_half_the_memory_is_the_cap_to_raise():
-    err = MicroVMService._full("write", "vm1:/big", _vm(upper_cap(256 << 20)))
+    err = VmFiles._full("write", "vm1:/big", _vm(upper_cap(256 << 20)))
     assert "more --memory" in err.message and "a larger --disk" not in err.message, err.message
 
 
 def test_a_directory_copy_says_it_left_nothing():
     reports = {"err": (str(errno.ENOSPC), "write work/big")}
-    err = MicroVMService._copy_failed("copy into", "vm1:/work/d", 1, reports, 10, 10, _vm(128 << 20))
+    err = VmFiles._copy_failed("copy into", "vm1:/work/d", 1, reports, 10, 10, _vm(128 << 20))
     assert err.code == "limit" and "partly written" not in err.message, err.message
     assert "nothing of the copy is left" in err.message, err.message
 
@@ -54,7 +57,7 @@ def test_a_file_read_without_a_length_reads_a_chunk_of_a_vm():
     sb = SimpleNamespace(id="vm1", backend="microvm")
     svc.max_chunk, svc.ensure_running, svc.workers = 4 << 20, ensure_running, None
     svc.registry = SimpleNamespace(get=lambda sid, req: sb)
-    svc.vms = SimpleNamespace(file_op=file_op)
+    svc.vm_files = SimpleNamespace(file_op=file_op)
     asyncio.run(svc.read(FileRead(sandbox="vm1", path="/etc/passwd"), None))
     assert sent[0].length == 4 << 20
 
@@ -82,10 +85,8 @@ def test_reading_a_fifo_says_what_it_is_as_a_containers_does():
     from dsecd.errors import BadRequest
     from dsecd.protocol import FileRead, FileWrite
 
-    svc = object.__new__(MicroVMService)
-    svc._requests, svc._requests_idle, svc.balloon = {}, {}, None
     link = _FifoLink()
-    svc.agent = lambda sb: link
+    svc, _ = vm_files(agent=lambda sb: link)
     sb = _vm(128 << 20)
     for req in (FileRead(sandbox="vm1", path="/w/fifo", length=4096), FileWrite(sandbox="vm1", path="/w/fifo", data=b"x")):
         with pytest.raises(BadRequest) as exc:
@@ -97,7 +98,7 @@ def test_reading_a_fifo_says_what_it_is_as_a_containers_does():
 
 def test_a_rename_onto_an_existing_name_says_what_to_do_as_a_containers_does():
     from dsecd.backends.microvm.agent import AgentError
-    from dsecd.engine.microvms import _as_a_containers
+    from dsecd.engine.vmfiles import _as_a_containers
 
     err = _as_a_containers(AgentError(errno.EEXIST, "rename"), "/w/l -> /w/f")
     assert err.errno == errno.EEXIST
@@ -123,9 +124,7 @@ def test_a_snapshot_that_waited_for_a_pause_says_the_vm_is_paused(tmp_path):
 
         link = Link()
         sb = SimpleNamespace(id="vm1", state="running", lock=asyncio.Lock(), handle=SimpleNamespace(agent=link))
-        svc = object.__new__(MicroVMService)
-        svc.balloon = None
-        svc.workers = SimpleNamespace(run=lambda fn, *a: asyncio.sleep(0, fn(*a)))
+        svc, _ = vm_files(workers=SimpleNamespace(run=lambda fn, *a: asyncio.sleep(0, fn(*a))))
         await sb.lock.acquire()                 # the pause, under way
         snap = asyncio.ensure_future(svc.upper_tree(sb, tmp_path, 1 << 20).__aenter__())
         await asyncio.sleep(0.01)
@@ -180,9 +179,8 @@ def test_an_owner_goes_only_to_an_agent_that_sets_it():
     from dsecd.backends.microvm import wire
     from dsecd.errors import Unsupported
 
-    svc = object.__new__(MicroVMService)
     link = SimpleNamespace(agent_version=4)
-    svc.agent = lambda sb: link
+    svc, _ = vm_files(agent=lambda sb: link)
     sb = SimpleNamespace(id="vm1")
     assert svc._owner_fields(sb, None, "file_write vm1") == ()
     assert svc._owner_fields(sb, (0, 0), "file_write vm1") == ()
@@ -218,9 +216,7 @@ def test_a_vms_snapshot_stops_its_execs_clocks(tmp_path):
 
         sb = Sandbox(id="vm1", image="busybox", state="running", created=0.0, limits={"memory": 256 << 20},
                      backend="microvm", handle=SimpleNamespace(agent=Link()))
-        svc = object.__new__(MicroVMService)
-        svc.balloon = None
-        svc.workers = SimpleNamespace(run=lambda fn, *a: asyncio.sleep(0, fn(*a)))
+        svc, _ = vm_files(workers=SimpleNamespace(run=lambda fn, *a: asyncio.sleep(0, fn(*a))))
         with pytest.raises(DsecError, match="read the writable layer"):
             async with svc.upper_tree(sb, tmp_path, 1 << 20):
                 pass

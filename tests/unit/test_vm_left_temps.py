@@ -48,7 +48,7 @@ def test_a_temporary_recorded_while_a_resume_reads_the_records_stays(tmp_path):
     async def run():
         nonlocal svc
         sb.lock = asyncio.Lock()
-        svc = FileService(SimpleNamespace(by_id={"v1": sb}), Workers(), None, 1 << 20, None, vms=guest,
+        svc = FileService(SimpleNamespace(by_id={"v1": sb}), Workers(), None, 1 << 20, None, vm_files=guest,
                           temps=temps)
         temps.add_ids("v1", LEFT, *guest.ids[LEFT])         # left while it was paused
         await svc._remove_left("v1")
@@ -81,7 +81,7 @@ def _left_while_paused(tmp_path, state: str):
         sb.lock = asyncio.Lock()
         workers = Workers()
         workers.loop = asyncio.get_running_loop()
-        svc = FileService(SimpleNamespace(by_id={"v1": sb}), workers, None, 1 << 20, None, vms=guest, temps=temps)
+        svc = FileService(SimpleNamespace(by_id={"v1": sb}), workers, None, 1 << 20, None, vm_files=guest, temps=temps)
         svc.hold_vm_temporary("v1", LEFT, ctx)
         await svc.journal_vm_temporary(sb, LEFT)
         assert [rec["path"] for _, rec in temps.load()] == [LEFT]

@@ -71,9 +71,9 @@ async def _put_under_way():
 
     workers = SimpleNamespace(loop=asyncio.get_running_loop(), run=run)
     guest = GuestFiles()
-    files = FileService(registry, workers, ensure_running, 1 << 20, None, vms=guest)
+    files = FileService(registry, workers, ensure_running, 1 << 20, None, vm_files=guest)
     copies = DirCopyService(registry, workers, ensure_running, 1 << 20, 100, 1 << 20, 4, 30.0, None,
-                            vms=guest, hold_vm_temporary=files.hold_vm_temporary,
+                            vm_files=guest, hold_vm_temporary=files.hold_vm_temporary,
                             journal_vm_temporary=files.journal_vm_temporary,
                             end_vm_temporary=files.end_vm_temporary)
     ctx = Ctx()

@@ -1,4 +1,4 @@
-"""file_set_attrs's mtime on a microVM (MicroVMService, SETATTR): the time
+"""file_set_attrs's mtime on a microVM (VmFiles, SETATTR): the time
 its guest agent sets is the one a container's os.utime gets, int(mtime *
 1e9) ns, past 2262 and before 1677 too; an agent that cannot take such a
 time gets no request, and the client a bad_request saying why."""
@@ -9,10 +9,10 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from vm_kit import vm_files
 
 from dsecd.backends.microvm import wire
 from dsecd.engine.files import FileService
-from dsecd.engine.microvms import MicroVMService
 from dsecd.errors import BadRequest, Unsupported
 from dsecd.protocol import FileSetAttrs
 
@@ -36,10 +36,8 @@ class _Link:
 
 
 def _set_attrs(agent_version: int | _Link, **args) -> _Link:
-    svc = object.__new__(MicroVMService)
-    svc._requests, svc._requests_idle, svc.balloon = {}, {}, None
     link = agent_version if isinstance(agent_version, _Link) else _Link(agent_version)
-    svc.agent = lambda sb: link
+    svc, _ = vm_files(agent=lambda sb: link)
     sb = SimpleNamespace(id="vm1", limits={"memory": 256 << 20})
     asyncio.run(svc.file_op(sb, FileSetAttrs(sandbox="vm1", path="/work/f", **args)))
     return link
@@ -121,7 +119,7 @@ def _file_service(sent: list) -> FileService:
     sb = SimpleNamespace(id="vm1", backend="microvm")
     svc.ensure_running, svc.workers = ensure_running, None
     svc.registry = SimpleNamespace(get=lambda sid, req: sb)
-    svc.vms = SimpleNamespace(file_op=file_op)
+    svc.vm_files = SimpleNamespace(file_op=file_op)
     return svc
 
 

@@ -1,4 +1,4 @@
-"""file_stat's and file_list's mtime on a microVM (MicroVMService, STAT and
+"""file_stat's and file_list's mtime on a microVM (VmFiles, STAT and
 LIST): from an agent that takes STAT_TS and LIST_TS the time comes as
 seconds and nanoseconds, and is the float a container's os.stat gives,
 past 2262 and before 1677 too; an older agent, which would ignore the
@@ -12,9 +12,10 @@ import struct
 from types import SimpleNamespace
 
 import pytest
+from vm_kit import vm_files
 
 from dsecd.backends.microvm import wire
-from dsecd.engine.microvms import MicroVMService
+from dsecd.engine.vmfiles import VmFiles
 from dsecd.protocol import FileList, FileStat
 
 FAR = (10413792000, 123456789)          # 2300-01-01 00:00:00.123456789 UTC: past 2**63 ns
@@ -56,10 +57,8 @@ class _Agent:
         return wire.Reader(entries + wire.u64(2) + wire.u64(0))
 
 
-def _service(agent: _Agent) -> tuple[MicroVMService, SimpleNamespace]:
-    svc = object.__new__(MicroVMService)
-    svc._requests, svc._requests_idle, svc.balloon = {}, {}, None
-    svc.agent = lambda sb: agent
+def _service(agent: _Agent) -> tuple[VmFiles, SimpleNamespace]:
+    svc, _ = vm_files(agent=lambda sb: agent)
     return svc, SimpleNamespace(id="vm1", limits={"memory": 256 << 20})
 
 

@@ -54,7 +54,7 @@ def follow(chunks: list[bytes], end=None, max_dirs: int = 8, stopped_by: str | N
         return link, run
 
     svc = watches.WatchService(None, None, SimpleNamespace(subscribers=set()), None, 4, max_dirs,
-                               SimpleNamespace(start_watch=start_watch, watch_over=lambda sb, r: None))
+                               SimpleNamespace(start_watch=start_watch), lambda sb, r: None)
     ctx = Ctx()
 
     async def main():
@@ -109,3 +109,28 @@ def test_a_watch_its_pause_ended_says_so_at_once():
     err, got, _ = follow([rec("ready", "1")], ("exited", 9), stopped_by="pause")
     assert isinstance(err, Conflict) and "paused" in str(err), err
     assert got[0]["kind"] == "ready"
+
+
+def test_a_watch_started_by_the_vms_files_is_the_pauses_to_end_until_it_is_over():
+    """The guest child VmFiles.start_watch starts is recorded by the
+    MicroVMService it was given (watch_started), whose pause ends it; a
+    watch's end (watch_over) takes it back."""
+    from vm_kit import vm_files
+
+    run = FakeRun([])
+
+    class Link:
+        async def start_exec(self, argv, env, cwd, uid, stdin, flags):
+            assert argv == ["/work", "1", "8"], argv
+            return run
+
+    async def main():
+        files, vms = vm_files(agent=lambda sb: Link())
+        sb = SimpleNamespace(id="vm1")
+        _, started = await files.start_watch(sb, "/work", True, 8)
+        assert started is run
+        watching = vms.watching(sb)
+        vms.watch_over(sb, run)
+        return watching, vms.watching(sb)
+
+    assert asyncio.run(main()) == (1, 0)

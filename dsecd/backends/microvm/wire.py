@@ -40,14 +40,14 @@ WINDOW_AGENT_VERSION = 3
 GROUPS_AGENT_VERSION = 4
 # The version from which a write, a mkdir and a put take an owner (trailing
 # uid and gid fields; the put's in its argv); an older one would make root's
-# files: such a request is refused (MicroVMService._owner_fields).
+# files: such a request is refused (VmFiles._owner_fields).
 OWNER_AGENT_VERSION = 5
 # The version from which a put removes what an earlier entry made at a name
 # a later entry replaces (its r record); with an older one such an archive
-# is refused (engine/microvms.py _put_records).
+# is refused (engine/vmfiles.py _put_records).
 REPLACE_AGENT_VERSION = 6
 # The version from which it takes SETATTR; an older one answers ENOSYS:
-# such a request is refused (MicroVMService._file_op).
+# such a request is refused (VmFiles._file_op).
 ATTRS_AGENT_VERSION = 7
 # The version from which a STAT takes STAT_FOLLOW and answers a symlink's
 # target (after the device and inode numbers); an older one would ignore
@@ -72,7 +72,7 @@ PUT_TS_NO_MTIME = 2**32 - 1
 # signed seconds and nanoseconds, any time a time_t holds, as the container
 # backend's os.utime does; an older one (from TIMES_AGENT_VERSION) takes
 # signed nanoseconds in 64 bits, which end in 1677 and 2262 and would wrap
-# a time past them: such a request is refused (engine/microvms.py
+# a time past them: such a request is refused (engine/vmfiles.py
 # _setattr_mtime). An older one would ignore the flag: it is not sent.
 WIDE_SETATTR_AGENT_VERSION = 14
 # The version from which a STAT told STAT_TS and a LIST told LIST_TS (a
