@@ -3551,7 +3551,7 @@ static void do_tar(uint32_t id, struct rd *r)
  * RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS (no symlink, the archive's or one
  * planted meanwhile, is followed), renamed into place at the end, removed
  * on any failure. The host checks the archive (dsecd/tarsafe.py) and sends
- * the entries as records (dsecd/engine/microvms.py). Reports go to stderr
+ * the entries as records (dsecd/engine/vmfiles.py). Reports go to stderr
  * as NUL-separated fields: "skip" type reason path, "done" entries bytes,
  * "err" errno what. */
 

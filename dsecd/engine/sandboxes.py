@@ -32,7 +32,7 @@ from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, Unsupported,
 from ..journal import Journal
 from .opkeys import OpKeys
 
-# The ops a microVM sandbox serves (dsecd/engine/microvms.py); the others are
+# The ops a microVM sandbox serves (dsecd/engine/microvms.py, vmfiles.py); the others are
 # `unsupported` for it until the backend grows them.
 MICROVM_OPS = frozenset({"inspect", "destroy", "exec", "file_read", "file_write", "file_list", "file_stat",
                          "file_mkdir", "file_remove", "file_rename", "file_set_attrs", "file_watch", "file_tar_get",
