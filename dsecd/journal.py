@@ -115,16 +115,23 @@ def _replay(path: Path, records: dict[str, dict]) -> int:
     return lines
 
 
-# Every RecordLog of the process, for writes_under_way.
+# Every RecordLog of the process, for hold_all_for_exit.
 _LOGS: weakref.WeakSet = weakref.WeakSet()
 
 
-def writes_under_way() -> list[str]:
-    """The logs whose lock some thread holds now: an append, or the end
-    of a compaction (its rename over the log), under way. A stop that exits
-    with threads stuck gives up the state dir only when this is empty
-    (dsecd/stopclock.py exit_now)."""
-    return sorted(str(rl.path) for rl in list(_LOGS) if rl._lock.locked())
+def hold_all_for_exit() -> list[str]:
+    """At an exit that leaves threads stuck (dsecd/stopclock.py exit_now):
+    take every log's lock and keep it, so that no thread of this process
+    starts an append or a compaction from now on. The logs that could not
+    be taken, or are being compacted (its copy written to the temp file,
+    outside the lock, which the next daemon's compaction would open
+    again): a write of this process to each is under way, and could land
+    after a new daemon began writing there."""
+    busy = []
+    for rl in sorted(list(_LOGS), key=lambda rl: str(rl.path)):
+        if not rl._lock.acquire(blocking=False) or rl._during is not None:
+            busy.append(str(rl.path))
+    return busy
 
 
 class RecordLog:

@@ -165,40 +165,51 @@ def exit_now(left: list[str], clock: StopClock, locks: list[int], status: int = 
     that call returns, though no code of it runs again (the exit kills its
     threads as they leave the kernel). Closed here, a new daemon can start
     on the state dir meanwhile. Not while a journal write is under way
-    (journal.writes_under_way): that one call (an append, the rename that
-    ends a compaction) could still land after a new daemon began writing
-    the journal, and put an old record after its own or an old log over
-    it; the locks then go with the process, once that call returns."""
+    (journal.hold_all_for_exit, which also keeps any from starting): that
+    one call (an append, a compaction's copy or its rename over the log)
+    could still land after a new daemon began writing the journal, and put
+    an old record after its own or an old log over it; the locks then go
+    with the process, once that call returns."""
     log.warning("stopping: %d thing(s) still running %.1f s into the stop (daemon.stop_timeout_s %g): %s; "
                 "the daemon exits anyway, leaving them as they are (the next start takes this stop for a "
                 "death: it kills the execs left running and removes what a cut-short create left)",
                 len(left), clock.elapsed(), clock.budget, "; ".join(left),
                 extra={"fields": {"event": "stop_exit_anyway", "left": left}})
-    writing = journal.writes_under_way()
-    if writing:
-        log.warning("stopping: a write of %s is under way; the state dir stays locked until it returns (a new "
-                    "daemon cannot start on it before)", ", ".join(writing),
-                    extra={"fields": {"event": "stop_keeps_state_lock", "writing": writing}})
     sys.stdout.flush()
     atexit._run_exitfuncs()         # logging.shutdown among them: every line written
-    for fd in locks if not writing else ():
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    # Last, just before the exit: a stuck thread that came back meanwhile
+    # could have begun a journal write after any earlier look.
+    writing = journal.hold_all_for_exit()
+    if writing:
+        _say_directly(f"stopping: a write of {', '.join(writing)} is under way; the state dir stays locked "
+                      "until it returns (a new daemon cannot start on it before)",
+                      logging.WARNING, {"event": "stop_keeps_state_lock", "writing": writing})
+    else:
+        for fd in locks:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
     os._exit(status)
 
 
 def _say_stuck_loop(loop_thread: int, clock: StopClock) -> None:
-    """The last resort's one line, written to stderr without the logging
-    module's locks: the thread it is about may hold one, blocked in a write."""
+    """The last resort's one line, written without the logging module's
+    locks: the thread it is about may hold one, blocked in a write."""
     frame = sys._current_frames().get(loop_thread)
     where = "".join(traceback.format_stack(frame, limit=4)).strip() if frame is not None else "?"
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0,
-                            "stopping: the event loop's thread is still in a blocking call %.1f s into the stop "
-                            "(daemon.stop_timeout_s %g); the daemon exits now, leaving it (the next start takes "
-                            "this stop for a death): %s", (clock.elapsed(), clock.budget, where), None)
-    record.fields = {"event": "stop_backstop", "where": where}
+    _say_directly(f"stopping: the event loop's thread is still in a blocking call {clock.elapsed():.1f} s into "
+                  f"the stop (daemon.stop_timeout_s {clock.budget:g}); the daemon exits now, leaving it (the next "
+                  f"start takes this stop for a death): {where}",
+                  logging.ERROR, {"event": "stop_backstop", "where": where})
+
+
+def _say_directly(message: str, level: int, fields: dict) -> None:
+    """One log line in the daemon's format, written to stderr with one
+    write(2): neither through the logging module's locks (a stuck thread
+    may hold one) nor after its shutdown (exit_now runs atexit first)."""
+    record = log.makeRecord(log.name, level, __file__, 0, "%s", (message,), None)
+    record.fields = fields
     handlers = logging.getLogger().handlers         # the daemon's one (dsecd/logs.py), on stderr
     try:
         line = handlers[0].format(record) if handlers else record.getMessage()

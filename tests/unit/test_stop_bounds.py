@@ -255,18 +255,23 @@ class _Exited(Exception):
     pass
 
 
-def _exit_now_keeps(tmp_path, monkeypatch, hold_journal: bool) -> bool:
-    """Run exit_now with one lock fd, os._exit and atexit stubbed: whether
-    the fd is still open after it (the lock kept)."""
+def _exit_now_keeps(tmp_path, monkeypatch, hold_journal: bool, compacting: bool = False) -> bool:
+    """Run exit_now with one lock fd, os._exit and atexit stubbed, this
+    test's journal the process's only one: whether the fd is still open
+    after it (the lock kept)."""
     import atexit
     import os
     import threading
+    import weakref
 
     from dsecd import journal, stopclock
 
     monkeypatch.setattr(stopclock.os, "_exit", lambda status: (_ for _ in ()).throw(_Exited(status)))
     monkeypatch.setattr(atexit, "_run_exitfuncs", lambda: None)
+    monkeypatch.setattr(journal, "_LOGS", weakref.WeakSet())      # exit_now keeps the locks it takes
     rl = journal.RecordLog(tmp_path / "sandboxes.log")
+    if compacting:
+        rl._during = []               # its copy being written to the temp file, outside the lock
     fd = os.open(tmp_path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     holding, release = threading.Event(), threading.Event()
 
@@ -303,3 +308,24 @@ def test_a_stop_that_exits_with_a_journal_write_under_way_keeps_the_state_dir_lo
 
 def test_a_stop_that_exits_with_threads_stuck_elsewhere_gives_up_its_locks(tmp_path, monkeypatch):
     assert not _exit_now_keeps(tmp_path, monkeypatch, hold_journal=False)
+
+
+def test_a_stop_that_exits_mid_compaction_keeps_the_state_dir_locked(tmp_path, monkeypatch):
+    """A compaction writes its copy to a temp file of a fixed name outside
+    the log's lock: a late write of it could land in the next daemon's own
+    compaction of that name."""
+    assert _exit_now_keeps(tmp_path, monkeypatch, hold_journal=False, compacting=True)
+
+
+def test_no_journal_write_starts_after_a_stop_gave_up_its_locks(tmp_path, monkeypatch):
+    """A stuck thread that comes back after the exit's look must not begin
+    an append then: exit_now keeps every log's lock."""
+    import weakref
+
+    from dsecd import journal
+
+    monkeypatch.setattr(journal, "_LOGS", weakref.WeakSet())
+    rl = journal.RecordLog(tmp_path / "sandboxes.log")
+    assert journal.hold_all_for_exit() == []
+    assert not rl._lock.acquire(blocking=False)
+
