@@ -316,7 +316,12 @@ class Node:
                         extra={"fields": {"event": "stop_left_keyed", "requests": names}})
         # Workers still in one piece of work (a blocking call that does not
         # return) are left to it: the steps below get workers of their own.
-        left = keyed + len(under_way) + sum(requests) + self.workers.set_aside_stuck()
+        # Not counted as left: one that was only slow (a layer sweep begun
+        # late in the wait) ends before the stop's end and changes nothing;
+        # one truly stuck is still running there (end_what_is_left), and the
+        # stop then exits as after a death.
+        self.workers.set_aside_stuck()
+        left = keyed + len(under_way) + sum(requests)
         # First: from here on, output and ends of background processes stay in
         # init's pipes for the next daemon; what this one read would be lost.
         self.procs.close()

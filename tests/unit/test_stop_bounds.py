@@ -329,3 +329,57 @@ def test_no_journal_write_starts_after_a_stop_gave_up_its_locks(tmp_path, monkey
     assert journal.hold_all_for_exit() == []
     assert not rl._lock.acquire(blocking=False)
 
+
+def _stop_daemon_with(node_close, reload_close=None):
+    """dsecd.daemon.stop_daemon on stand-ins: what it marked and how long
+    it gave the config reload. `node_close`: the node's close."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from dsecd import daemon, stopclock
+
+    seen = {"forgot": False, "reload_timeout": None}
+
+    async def reloader_close(timeout):
+        seen["reload_timeout"] = timeout
+
+    async def nothing(*_args, **_kw):
+        return None
+
+    def forget():
+        seen["forgot"] = True
+
+    node = SimpleNamespace(cfg=SimpleNamespace(section=lambda name: {"stop_timeout_s": 75}),
+                           reloader=SimpleNamespace(close=reloader_close),
+                           registry=SimpleNamespace(by_id={}), procs=SimpleNamespace(quiesce=nothing),
+                           close=node_close, forget_running_mark=forget)
+    server = SimpleNamespace(stop=nothing, wait_stopped=nothing)
+    monitor = SimpleNamespace(stop=lambda: None)
+    notifier = SimpleNamespace(stopping=lambda text: None, close=lambda: None)
+    # No last resort here: its thread would end this test process (os._exit)
+    # 80 s on.
+    with mock.patch.object(stopclock.StopClock, "backstop", lambda self: None):
+        asyncio.run(daemon.stop_daemon(node, server, monitor, None, notifier, []))
+    return seen
+
+
+def test_a_stop_with_nothing_left_forgets_the_running_mark_and_gives_a_reload_a_short_wait():
+    async def close(requests_ended, clock):
+        return 0
+
+    seen = _stop_daemon_with(close)
+    assert seen["forgot"]
+    assert seen["reload_timeout"] <= 5.0, seen      # not the requests' 60 s
+
+
+def test_a_close_step_that_fails_leaves_the_running_mark_and_the_stop_ends(caplog):
+    """A bug in a close step: the stop goes on to its end (bounded) rather
+    than into asyncio's unbounded cancel of the tasks left, and the next
+    start takes it for a death."""
+    async def close(requests_ended, clock):
+        raise RuntimeError("a close step's bug")
+
+    with caplog.at_level(logging.ERROR, logger="dsecd"):
+        seen = _stop_daemon_with(close)
+    assert not seen["forgot"]
+    assert "closing the daemon's services failed" in caplog.text
