@@ -47,8 +47,9 @@ from . import doing, journal
 
 log = logging.getLogger("dsecd")
 
-# The share of the budget, from its end, that the requests' wait leaves to
-# the services' close: 15 s of the default 75, after the requests' 60 s.
+# The share of the budget, from its end, that the requests' wait leaves
+# to what follows it (the services' close, then the last part, LAST_SHARE):
+# the requests get 60 s of the default 75, the close until 71.25 s.
 CLOSE_SHARE = 0.2
 # The share, from its end, that the services' close leaves to the tasks and
 # threads still running.
@@ -126,7 +127,7 @@ class StopClock:
         task.cancel()
         self.late.append(what)
         busy = [f"{name}: {job.describe()} at {where}" for name, job, where in doing.running_jobs()
-                if job.doing == label]
+                if job.doing is not None and job.doing.startswith(label)]     # (", sandbox X" after it)
         log.warning("stopping: %s not done %.1f s into the stop%s; the stop goes on without it (the next "
                     "start takes up what it leaves)", what, self.elapsed(),
                     f" (still in it: {'; '.join(busy)})" if busy else "",

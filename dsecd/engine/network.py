@@ -529,8 +529,10 @@ class NetworkService:
 
     async def close_net(self) -> None:
         if self._warmup is not None:
-            # Not cancelled, even by a stop that gives up on this close: a
-            # Network half built in a worker would leak its pool.
+            # Not cancelled by a stop that gives up on this close (a Network
+            # half built in a worker would leak its pool): only the stop's
+            # last step cancels it, with every task left, just before the
+            # daemon exits anyway (stopclock.end_what_is_left).
             await asyncio.shield(self._warmup)
         if self.resolver is not None:
             await self.resolver.close()
