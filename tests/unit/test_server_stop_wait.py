@@ -38,10 +38,11 @@ async def _serve_ping(server: Server) -> asyncio.StreamWriter:
     return writer
 
 
-def _undoing_in_turns(events: list[str], started: asyncio.Event, turns: int, undoing: asyncio.Event | None = None):
+def _undoing_in_turns(events: list[str], started: asyncio.Event, turns: int, undoing: asyncio.Event | None = None,
+                      until: asyncio.Event | None = None):
     """A handler that runs until cancelled, then undoes over `turns` loop
-    turns (as a streamed exec's kill waits for its pipe readers first);
-    `undoing` is set as that begins."""
+    turns (as a streamed exec's kill waits for its pipe readers first), and
+    until `until` is set if given; `undoing` is set as that begins."""
     async def handler(req, ctx) -> dict:
         started.set()
         try:
@@ -51,6 +52,8 @@ def _undoing_in_turns(events: list[str], started: asyncio.Event, turns: int, und
                 undoing.set()
             for _ in range(turns):
                 await asyncio.sleep(0)
+            if until is not None:
+                await until.wait()
             events.append("undone")
             raise
         return {}
@@ -75,25 +78,38 @@ def test_the_stop_waits_for_the_undoing_of_the_requests_it_cancelled(tmp_path):
     assert left == 0
 
 
-def test_a_cancel_named_request_is_not_cut_short_by_the_stop(tmp_path):
-    """A request whose undoing a `cancel` began is not cancelled again by the
-    stop: a second CancelledError would land in its undoing."""
+def _cancelled_then_stopped(tmp_path, cancels: int) -> list[str]:
+    """A request named by `cancels` cancel requests (the later ones while
+    the first's undoing runs), then the server's stop: what happened, in
+    order ("undone" once its undoing ran whole)."""
     async def scenario() -> list[str]:
         events: list[str] = []
         started = asyncio.Event()
         undoing = asyncio.Event()
-        server = _server(tmp_path, _undoing_in_turns(events, started, 5, undoing))
+        all_sent = asyncio.Event()          # the undoing outlasts every cancel
+        server = _server(tmp_path, _undoing_in_turns(events, started, 0, undoing, until=all_sent))
         client = await _serve_ping(server)
         await asyncio.wait_for(started.wait(), 10)
-        client.write(protocol.encode_frame({"id": 3, "op": "cancel", "args": {"target": 2}}))
-        await asyncio.wait_for(undoing.wait(), 10)
+        for n in range(cancels):
+            client.write(protocol.encode_frame({"id": 3 + n, "op": "cancel", "args": {"target": 2}}))
+            if n == 0:
+                await asyncio.wait_for(undoing.wait(), 10)
+        for _ in range(50):                    # the cancels are read and handled
+            await asyncio.sleep(0)
+        all_sent.set()
         await server.stop()
         await server.wait_stopped(10)
         events.append("node closes")
         client.close()
         return events
 
-    assert asyncio.run(scenario()) == ["undone", "node closes"]
+    return asyncio.run(scenario())
+
+
+def test_a_cancel_named_request_is_not_cut_short_by_the_stop(tmp_path):
+    """A request whose undoing a `cancel` began is not cancelled again by the
+    stop: a second CancelledError would land in its undoing."""
+    assert _cancelled_then_stopped(tmp_path, 1) == ["undone", "node closes"]
 
 
 def test_a_request_whose_client_went_is_not_cut_short_by_the_stop(tmp_path):
@@ -181,36 +197,4 @@ def test_a_second_cancel_of_one_request_does_not_cut_its_undoing_short(tmp_path)
     """A client that sends `cancel` again (its first answer was slow, or it
     retried after a cut) names a request whose undoing the first began: a
     second CancelledError would land in that undoing."""
-    async def scenario() -> list[str]:
-        events: list[str] = []
-        started = asyncio.Event()
-        undoing = asyncio.Event()
-        second_answered = asyncio.Event()
-
-        async def handler(req, ctx) -> dict:
-            started.set()
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                undoing.set()
-                await second_answered.wait()       # the undoing outlasts the second cancel
-                events.append("undone")
-                raise
-            return {}
-
-        server = _server(tmp_path, handler)
-        client = await _serve_ping(server)
-        await asyncio.wait_for(started.wait(), 10)
-        client.write(protocol.encode_frame({"id": 3, "op": "cancel", "args": {"target": 2}}))
-        await asyncio.wait_for(undoing.wait(), 10)
-        client.write(protocol.encode_frame({"id": 4, "op": "cancel", "args": {"target": 2}}))
-        for _ in range(50):                    # the second cancel is read and handled
-            await asyncio.sleep(0)
-        second_answered.set()
-        await server.stop()
-        await server.wait_stopped(10)
-        events.append("node closes")
-        client.close()
-        return events
-
-    assert asyncio.run(scenario()) == ["undone", "node closes"]
+    assert _cancelled_then_stopped(tmp_path, 2) == ["undone", "node closes"]

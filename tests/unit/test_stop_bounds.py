@@ -18,6 +18,17 @@ from dsecd.engine.workers import Workers, outcome
 from dsecd.stopclock import StopClock, end_what_is_left
 
 
+async def _one_worker_stuck(release: threading.Event, started: threading.Event) -> tuple[Workers, asyncio.Task]:
+    """A pool of one worker, and a request's task whose work holds that
+    worker (since `started`) until `release`; the caller shuts it down."""
+    workers = Workers(1)
+    workers.start(asyncio.get_running_loop())
+    request = _stuck_worker(workers, release, started)
+    while not started.is_set():
+        await asyncio.sleep(0.001)
+    return workers, request
+
+
 def _stuck_worker(workers: Workers, release: threading.Event, started: threading.Event):
     """A request's task whose work blocks in its worker until `release`."""
     def read_on_a_hung_file_system() -> None:
@@ -36,12 +47,8 @@ def test_a_stuck_worker_is_named_and_the_stop_steps_get_workers_of_their_own(mon
     release, started = threading.Event(), threading.Event()
 
     async def run():
-        workers = Workers(1)
-        workers.start(asyncio.get_running_loop())
+        workers, request = await _one_worker_stuck(release, started)
         try:
-            request = _stuck_worker(workers, release, started)
-            while not started.is_set():
-                await asyncio.sleep(0.001)
             assert workers.set_aside_stuck() == 1
             # The only worker is stuck: without a pool of its own, this waited for ever.
             assert await asyncio.wait_for(workers.run(lambda: "closed"), 5) == "closed"
@@ -66,12 +73,8 @@ def test_work_that_just_began_is_not_taken_for_stuck():
     release, started = threading.Event(), threading.Event()
 
     async def run():
-        workers = Workers(1)
-        workers.start(asyncio.get_running_loop())
+        workers, request = await _one_worker_stuck(release, started)
         try:
-            request = _stuck_worker(workers, release, started)
-            while not started.is_set():
-                await asyncio.sleep(0.001)
             return workers.set_aside_stuck()
         finally:
             release.set()
@@ -85,12 +88,8 @@ def test_the_stop_waits_for_the_work_running_as_it_began_only_so_long():
     release, started = threading.Event(), threading.Event()
 
     async def run():
-        workers = Workers(1)
-        workers.start(asyncio.get_running_loop())
+        workers, request = await _one_worker_stuck(release, started)
         try:
-            request = _stuck_worker(workers, release, started)
-            while not started.is_set():
-                await asyncio.sleep(0.001)
             await asyncio.wait_for(workers.finish_running(0.05), 5)
             assert len(workers.busy()) == 1
             release.set()
