@@ -8,6 +8,8 @@ import asyncio
 import logging
 import time
 
+from log_kit import records_of
+
 from dsecd import looplag
 from dsecd.sdnotify import Notifier
 
@@ -40,11 +42,11 @@ def test_a_stalled_loop_is_reported_with_where_it_is_stuck(monkeypatch, caplog):
         await asyncio.sleep(1.0)         # and turns again
 
     _monitored(monkeypatch, caplog, body)
-    stalled = [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "loop_stalled"]
+    stalled = records_of(caplog, "loop_stalled")
     assert len(stalled) == 1, [r.getMessage() for r in caplog.records]
     assert stalled[0].levelno == logging.WARNING and "wedged_in_a_callback" in stalled[0].fields["stack"]
     assert "has not turned" in stalled[0].getMessage()
-    resumed = [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "loop_resumed"]
+    resumed = records_of(caplog, "loop_resumed")
     assert len(resumed) == 1 and resumed[0].fields["stalled_s"] > 0, [r.getMessage() for r in caplog.records]
 
 

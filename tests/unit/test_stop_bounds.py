@@ -12,6 +12,8 @@ import asyncio
 import logging
 import threading
 
+from log_kit import records_of
+
 from dsecd import doing
 from dsecd.engine import workers as workers_mod
 from dsecd.engine.workers import Workers, outcome
@@ -59,7 +61,7 @@ def test_a_stuck_worker_is_named_and_the_stop_steps_get_workers_of_their_own(mon
 
     with caplog.at_level(logging.WARNING, logger="dsecd.engine.workers"):
         asyncio.run(run())
-    said = [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "stop_left_worker"]
+    said = records_of(caplog, "stop_left_worker")
     assert len(said) == 1, caplog.text
     fields = said[0].fields
     assert fields["work"].endswith("read_on_a_hung_file_system")
@@ -127,7 +129,7 @@ def test_a_close_step_that_does_not_end_is_left_by_the_deadline(caplog):
 
     with caplog.at_level(logging.WARNING, logger="dsecd"):
         asyncio.run(run())
-    said = [r for r in caplog.records if getattr(r, "fields", {}).get("event") == "stop_step_late"]
+    said = records_of(caplog, "stop_step_late")
     assert len(said) == 1, caplog.text
     # The worker in it is named, labelled as the stop's own work.
     assert "unmount_on_a_hung_store (daemon stop: unmounting idle layers)" in said[0].getMessage()
