@@ -191,8 +191,10 @@ async def to_the_end(coro, locks=()):
             lock.release()
         coro.close()
         raise
-    task = before_stop(asyncio.ensure_future(coro))
-    task.set_name(f"{coro.__qualname__} ({doing.current() or 'no request'})")    # for a stop that cannot wait
+    # Named as it is made (for a stop that cannot wait): nothing runs
+    # between taking the locks and the callback that gives them back.
+    task = before_stop(asyncio.get_running_loop().create_task(
+        coro, name=f"{coro.__qualname__} ({doing.current() or 'no request'})"))
     if taken:
         task.add_done_callback(lambda _task: [lock.release() for lock in reversed(taken)])
     try:
