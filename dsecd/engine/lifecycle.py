@@ -11,7 +11,7 @@ import os
 import time
 
 from ..backends.container import Handle, close_handle
-from ..backends.microvm.backend import SAVED_STATE, guest_panic
+from ..backends.microvm.backend import SAVED_STATE, guest_panic, how_qemu_ended
 from ..config import ConfigError
 from ..cpu.manager import CpuHost
 from ..errors import Conflict, io_error
@@ -339,15 +339,18 @@ class LifecycleService:
             # "hung": the watchdog killed it (engine/vmwatchdog.py); "agent_protocol":
             # its guest broke the agent's protocol and QEMU was killed (backend.end_broken,
             # `detail` says what it sent); else its QEMU exited (a guest panic, a kill,
-            # its memory limit: an "oom" event follows).
+            # its memory limit: an "oom" event follows). How QEMU ended (a
+            # signal, an exit code) goes with it: an exit of QEMU's own
+            # (code 1) is no guest's doing.
             extra = getattr(h, "extra", {}) if h is not None else {}
             why = extra.get("died_because", "exited") if h is not None else "gone"
             detail = {"detail": extra["died_why"]} if "died_why" in extra else {}
+            detail |= how_qemu_ended(h) if h is not None else {}
             panic = guest_panic(h.vm_dir / "serial.log") if why == "exited" else None
             if panic:
                 # Its kernel said why (e.g. "System is deadlocked on memory"):
                 # a few KiB read here, before _vm_dead removes the directory.
-                why, detail = "panic", {"detail": panic}
+                why, detail = "panic", detail | {"detail": panic}
                 log.warning("sandbox %s: its guest kernel panicked: %s", sb.id, panic)
             self.events.publish("died", sb.id, reason=why, **detail)
         else:

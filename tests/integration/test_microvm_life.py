@@ -736,6 +736,7 @@ def test_a_guest_that_panics_is_reported_dead_and_cleaned_up(vmd):
     died = [e for e in _events(d, sb.id) if e["event"] == "died"]
     # The guest's kernel said why in its serial log: the event says it too.
     assert died and died[0]["reason"] == "panic" and "sysrq" in died[0]["detail"], died
+    assert died[0]["exit_code"] == 0, died           # -no-reboot: QEMU exits by itself
     sb.destroy()
 
 
@@ -802,7 +803,7 @@ def test_a_guest_that_hangs_is_killed_and_reported_dead(vmd):
             os.kill(pid, signal.SIGCONT)
     _gone(d, sb.id, pid, cgroups)
     died = [e for e in _events(d, sb.id) if e["event"] == "died"]
-    assert died and died[0]["reason"] == "hung"
+    assert died and died[0]["reason"] == "hung" and died[0]["signal"] == "SIGKILL", died
     sb.destroy()
 
 
@@ -860,6 +861,7 @@ def test_qemu_killed_by_its_memory_limit_is_an_oom_event(daemon_factory, busybox
         said = [ln for ln in d.log.read_text(errors="replace").splitlines() if sb.id in ln][-12:]
         assert "oom" in kinds and kinds["oom"]["kills"] >= 1, f"{kinds}\n" + "\n".join(said)
         assert kinds["died"]["reason"] == "exited", f"{kinds['died']}"
+        assert kinds["died"].get("signal") == "SIGKILL", f"{kinds['died']}"
         sb.destroy()
     finally:
         c.close()

@@ -842,6 +842,33 @@ def guest_panic(serial_log: Path, n: int = 16 << 10) -> str | None:
     return found
 
 
+def how_qemu_ended(h: VmHandle) -> dict:
+    """How a dead VM's QEMU ended, for its "died" event: {"signal": "SIGKILL"}
+    (the kernel's OOM killer, a kill from outside) or {"exit_code": n} (a
+    guest panic is 0; an error of QEMU's own is 1, its stderr's last lines
+    in "qemu_said"). Read without reaping it (WNOWAIT: the release that
+    follows waits for it); {} for a QEMU that is not the daemon's child
+    (re-adopted after a restart) or that has not exited."""
+    with h.pidfd_lock:
+        if not h.is_child or h.pidfd < 0:
+            return {}
+        try:
+            st = os.waitid(os.P_PIDFD, h.pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except OSError:
+            return {}
+    if st is None:
+        return {}
+    if st.si_code == os.CLD_EXITED:
+        ended = {"exit_code": st.si_status}
+        if st.si_status != 0:
+            ended["qemu_said"] = _tail(h.vm_dir / "qemu.log")
+        return ended
+    try:
+        return {"signal": signal.Signals(st.si_status).name}
+    except ValueError:
+        return {"signal": str(st.si_status)}
+
+
 def _tail(path: Path, n: int = 600) -> str:
     try:
         with open(path, "rb") as f:
