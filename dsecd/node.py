@@ -75,6 +75,12 @@ RUNNING_MARK = "dsecd.running"
 # waiting for an `info` or a metrics scrape.
 CODE_CHECK_S = 60.0
 
+# The steps of a stop's close (Node.close), in the order they run: each
+# keeps time for the ones after it (StopClock.for_step), so a step that
+# hangs still leaves the network, swap, DAMON and the pager to be closed.
+CLOSE_STEPS = ("VM template builds", "destroying call sandboxes", "closing the network",
+               "stopping DAMON and swap", "stopping the pager", "unmounting idle layers")
+
 # The order sandbox states are counted in systemd's STATUS= line.
 STATUS_ORDER = ("running", "paused", "dead", "creating", "stopping")
 
@@ -326,6 +332,7 @@ class Node:
         # init's pipes for the next daemon; what this one read would be lost.
         self.procs.close()
         self.create_service.close()
+        clock.plan_closes(CLOSE_STEPS)
         if self.vms.templates is not None:
             await clock.step("VM template builds", self.vms.templates.close())
         # Call sandboxes belong to this daemon: they go (the next start

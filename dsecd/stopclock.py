@@ -14,7 +14,9 @@ end (the journal closed, the log's account of what was left) happens.
 Of the budget, the requests get the first part (up to `CLOSE_SHARE` from
 its end), the services' close the next (up to `LAST_SHARE` from its end),
 and the last part is for the tasks still running, cancelled, and the
-threads still at work. What does not end in its part is logged, naming
+threads still at work. Within the close, each step keeps some time for
+the steps after it (StopClock.for_step), so one that hangs does not keep
+swap from being turned off or DAMON from being stopped. What does not end in its part is logged, naming
 what it was doing (the request, the sandbox, the call a thread is in), and
 left: the stop goes on. A thread still in a blocking call at the end would
 hold the interpreter's exit forever (it joins every worker thread), so the
@@ -54,6 +56,11 @@ CLOSE_SHARE = 0.2
 # The share, from its end, that the services' close leaves to the tasks and
 # threads still running.
 LAST_SHARE = 0.05
+# What each close step still to come keeps of the close's time, at most
+# (less when the time left is short: an equal share): a step that hangs (a
+# kill waiting on a hung file system) must not take the time of the ones
+# after it, which turn swap off, stop DAMON and unmount.
+STEP_RESERVE_S = 1.0
 # How often the end of the stop looks whether the threads' work is over.
 THREAD_POLL_S = 0.02
 # How long after the deadline the last resort (StopClock.backstop) ends a
@@ -72,6 +79,7 @@ class StopClock:
         self.closes_end = self.began + self.budget * (1 - LAST_SHARE)
         self.end = self.began + self.budget
         self.late: list[str] = []       # the close steps that did not end in their time
+        self.close_steps: tuple[str, ...] = ()     # the close's steps, in order (plan_closes)
 
     def backstop(self) -> None:
         """The last resort: a thread that ends the process BACKSTOP_S after
@@ -103,16 +111,37 @@ class StopClock:
         """Seconds left for the services' close."""
         return max(0.0, self.closes_end - self._now())
 
+    def plan_closes(self, steps: tuple[str, ...]) -> None:
+        """The names of the close's steps, in the order they run: each
+        keeps time for the ones after it (for_step)."""
+        self.close_steps = tuple(steps)
+
+    def for_step(self, what: str) -> float:
+        """Seconds the close step `what` may take: what is left of the
+        close's time, less what each planned step after it keeps
+        (STEP_RESERVE_S, or an equal share of a short time left). What a
+        step ends early of its time goes to the ones after it."""
+        left = self.for_closes()
+        after = len(self.close_steps) - self.close_steps.index(what) - 1
+        return left - after * min(STEP_RESERVE_S, left / (after + 1))
+
     def for_last(self) -> float:
         """Seconds left for the tasks and threads still running."""
         return max(0.0, self.end - self._now())
 
     async def step(self, what: str, aw: Coroutine | Awaitable) -> bool:
-        """Await `aw`, a step of the services' close named `what`, until
-        the close's deadline. True once it ended (its error, if any, is
-        raised); False when it had not: it is logged (with the workers
-        still in its work) and cancelled without waiting, and the stop
-        goes on. Work it hands to workers is labelled `daemon stop: what`."""
+        """Await `aw`, a step of the services' close named `what` (one of
+        plan_closes's), for its time (for_step). True once it ended (its
+        error, if any, is raised); False when it had not: it is logged
+        (with the workers still in its work) and cancelled without waiting,
+        and the stop goes on. Work it hands to workers is labelled
+        `daemon stop: what`."""
+        if what not in self.close_steps:
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise ValueError(f"close step {what!r} is not among the planned ones {self.close_steps}: "
+                             "name it in plan_closes, in its place in the order")
+        timeout = self.for_step(what)
         label = f"daemon stop: {what}"
         if asyncio.iscoroutine(aw):
             context = contextvars.copy_context()
@@ -120,7 +149,7 @@ class StopClock:
             task = asyncio.get_running_loop().create_task(aw, name=label, context=context)
         else:
             task = asyncio.ensure_future(aw)
-        done, _ = await asyncio.wait({task}, timeout=self.for_closes())
+        done, _ = await asyncio.wait({task}, timeout=timeout)
         if done:
             task.result()
             return True

@@ -8,16 +8,21 @@ interpreter's exit joined it."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import inspect
 import logging
+import textwrap
 import threading
 
+import pytest
 from log_kit import records_of
 
 from dsecd import doing
+from dsecd import node as node_mod
 from dsecd.engine import workers as workers_mod
 from dsecd.engine.workers import Workers, outcome
-from dsecd.stopclock import StopClock, end_what_is_left
+from dsecd.stopclock import STEP_RESERVE_S, StopClock, end_what_is_left
 
 
 async def _one_worker_stuck(release: threading.Event, started: threading.Event) -> tuple[Workers, asyncio.Task]:
@@ -117,6 +122,7 @@ def test_a_close_step_that_does_not_end_is_left_by_the_deadline(caplog):
         workers.start(asyncio.get_running_loop())
         try:
             clock = StopClock(0.4)
+            clock.plan_closes(("quick", "unmounting idle layers"))
             assert await clock.step("quick", asyncio.sleep(0))
             began = asyncio.get_running_loop().time()
             ended = await clock.step("unmounting idle layers", workers.run(unmount_on_a_hung_store))
@@ -141,6 +147,7 @@ def test_a_close_step_that_fails_raises_as_before():
 
     async def run():
         clock = StopClock(5)
+        clock.plan_closes(("unmounting idle layers",))
         try:
             await clock.step("unmounting idle layers", fails())
         except OSError as err:
@@ -190,6 +197,71 @@ def test_what_is_left_at_the_end_is_named_within_the_deadline():
     assert left[1].startswith("thread dsecd-worker_0 in test_what_is_left_at_the_end_is_named_within_the_deadline"
                               ".<locals>.run.<locals>.copy_chunks (file_tar_put #3 of pid=2 uid=0 gid=0, "
                               "sandbox 77aa)"), left
+
+
+def test_a_close_step_that_hangs_leaves_the_steps_after_it_their_time(caplog):
+    """A kill that hangs on a hung file system used to take the whole
+    close: the steps after it got no time at all, and a stop left swap on
+    and DAMON running."""
+    release, started = threading.Event(), threading.Event()
+    ran = []
+
+    def kill_on_a_hung_store() -> None:
+        started.set()
+        release.wait()
+
+    async def swap_off() -> None:
+        await asyncio.sleep(0.05)
+        ran.append("swap off")
+
+    async def run():
+        workers = Workers(2)
+        workers.start(asyncio.get_running_loop())
+        try:
+            clock = StopClock(2.0)          # the close: 1.9 s
+            clock.plan_closes(("destroying call sandboxes", "stopping DAMON and swap"))
+            hung = await clock.step("destroying call sandboxes", workers.run(kill_on_a_hung_store))
+            after = await clock.step("stopping DAMON and swap", swap_off())
+            return hung, after, clock.late
+        finally:
+            release.set()
+            workers.shutdown()
+
+    with caplog.at_level(logging.WARNING, logger="dsecd"):
+        hung, after, late = asyncio.run(run())
+    assert (hung, after, late) == (False, True, ["destroying call sandboxes"])
+    assert ran == ["swap off"]
+
+
+def test_each_close_step_keeps_its_reserve_or_an_equal_share_of_a_short_time():
+    now = [100.0]
+    clock = StopClock(75, now=lambda: now[0])
+    clock.plan_closes(("a", "b", "c"))
+    assert clock.for_step("a") == 71.25 - 2 * STEP_RESERVE_S
+    assert clock.for_step("c") == 71.25                  # the last takes what is left
+    now[0] = 170.7                                        # 0.55 s of the close left
+    assert abs(clock.for_step("a") - 0.55 / 3) < 1e-9
+    assert abs(clock.for_step("b") - 0.55 / 2) < 1e-9
+
+
+def test_a_close_step_not_planned_is_refused_by_name():
+    async def run():
+        clock = StopClock(5)
+        clock.plan_closes(("closing the network",))
+        await clock.step("closing the netwrok", asyncio.sleep(0))
+
+    with pytest.raises(ValueError, match="closing the netwrok"):
+        asyncio.run(run())
+
+
+def test_every_close_step_of_the_node_is_planned_in_its_order():
+    """Node.close names its steps as literals; each must be in CLOSE_STEPS,
+    in the order they run, or it would be refused (or keep no time for
+    the steps after it)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(node_mod.Node.close)))
+    steps = sorted((call.lineno, call.args[0].value) for call in ast.walk(tree)
+                   if isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "step")
+    assert [name for _, name in steps] == list(node_mod.CLOSE_STEPS)
 
 
 def test_the_budget_is_shared_requests_first_then_the_close_then_the_rest():
