@@ -19,12 +19,31 @@ def module_names() -> dict[str, Path]:
     return out
 
 
+def _run_nodes(tree: ast.AST):
+    """Every node of `tree` but those under `if TYPE_CHECKING:`, which never
+    runs: a type hint's import (a Sandbox naming its Client, the Client
+    making Sandboxes) is no import of the running code."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return ((isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+            or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The package's modules that `name` imports, anywhere in its body (a
     function-level import counts: it is the usual way to hide a cycle)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _run_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name in modules)
         elif isinstance(node, ast.ImportFrom):
@@ -80,6 +99,13 @@ def test_no_import_cycle():
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
     assert "dsecd.node" in graph and graph["dsecd.node"], "the graph was not read"
     assert cycles(graph) == []
+
+
+def test_an_import_for_type_hints_only_is_not_counted_and_one_that_runs_is():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
+                     "def f():\n    import c\n")
+    names = {a.name for n in _run_nodes(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert names == {"b", "c"}
 
 
 def test_the_cycle_finder_finds_one():
