@@ -1,5 +1,5 @@
 """How long a busy daemon takes to answer a ping: the figure behind the
-SDK's silence watch on a local socket (client.LOCAL_SILENCE_S).
+SDK's silence watch on a local socket (client.wire.LOCAL_SILENCE_S).
 
 It starts a test daemon (tests/integration/conftest.py's Daemon, on a
 private socket, state dir and dsecd-test-* cgroup subtree), imports the

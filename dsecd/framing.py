@@ -10,7 +10,7 @@ cut out of it; a frame too big for the scratch gets a buffer of its own size,
 which the kernel fills directly and which becomes the frame as it is, with
 no copy (about 3 GiB/s in the same test).
 
-Used by the server (dsecd/server.py) and the client (dsecd/client.py); the
+Used by the server (dsecd/server.py) and the client (dsecd/client/wire.py); the
 writing side stays an asyncio.StreamWriter over the same transport, for
 which the protocol provides what StreamWriter asks of its protocol: flow
 control (`_drain_helper`, as asyncio's FlowControlMixin, which cannot be

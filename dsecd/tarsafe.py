@@ -1,7 +1,7 @@
 """The rules a tar entry must pass before it is extracted, on either side
 of a directory copy: the daemon extracting a client's tar into a sandbox
 (dsecd/fs/tarcopy.py), the SDK extracting a sandbox's tar on the client's
-host (dsecd/client.py). Pure Python, no I/O: clients import it too.
+host (dsecd/client/files.py). Pure Python, no I/O: clients import it too.
 
 An archive may make directories, regular files, symlinks, and hard links to
 regular files it made before. Refused: absolute names, `..`, NUL, names past

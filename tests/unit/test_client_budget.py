@@ -1,4 +1,4 @@
-"""The client's share of the daemon's per-connection request limit (client._Budget)."""
+"""The client's share of the daemon's per-connection request limit (client.conn._Budget)."""
 
 import asyncio
 

@@ -236,9 +236,9 @@ def test_a_timed_out_create_whose_key_was_asked_again_leaves_the_sandbox_to_that
     the sandbox, and answered the retry with it (`existing`); the undo of
     the first then destroyed it under the caller, who held the retry's
     handle. A sandbox of a key asked for again is the retry's."""
-    from dsecd import client as client_mod
+    from dsecd.client import wire
 
-    monkeypatch.setattr(client_mod, "ABANDONED_CREATE_WAIT_S", 0.2)
+    monkeypatch.setattr(wire, "ABANDONED_CREATE_WAIT_S", 0.2)
     daemon = SlowKeyDaemon(str(tmp_path / "d.sock"), "made")
 
     async def go():

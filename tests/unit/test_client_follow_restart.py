@@ -150,11 +150,11 @@ def test_a_follower_lost_again_and_again_before_the_daemon_answers_goes_on_with_
     with a ring that outlived them (a microVM's, the same daemon's) read
     again between: the follow goes on, as Client.events() and watch() do,
     and every numbered line comes once. It gave up at the first such loss."""
-    import dsecd.client as client_mod
+    from dsecd.client import refollow, wire
 
-    monkeypatch.setattr(client_mod, "RECONNECT_GAP_S", 0.001)
-    monkeypatch.setattr(client_mod, "RECONNECT_GAP_MAX_S", 0.001)
-    unanswered = [[]] * (client_mod.FOLLOW_LOST_MAX - 1)
+    monkeypatch.setattr(wire, "RECONNECT_GAP_S", 0.001)
+    monkeypatch.setattr(wire, "RECONNECT_GAP_MAX_S", 0.001)
+    unanswered = [[]] * (refollow.FOLLOW_LOST_MAX - 1)
     got, asked = _follow_across(tmp_path, [
         [{"dropped": 0}, _line(1), _line(2), _line(3)],
         *unanswered,
@@ -171,17 +171,17 @@ def test_a_follower_lost_follow_lost_max_times_in_a_row_gives_up_saying_the_proc
     """A daemon that takes the connection and drops the follow every time
     (one failing on it): after FOLLOW_LOST_MAX losses in a row it is not
     asked again, and the error says so and how to follow the process."""
-    import dsecd.client as client_mod
+    from dsecd.client import refollow, wire
 
-    monkeypatch.setattr(client_mod, "RECONNECT_GAP_S", 0.001)
-    monkeypatch.setattr(client_mod, "RECONNECT_GAP_MAX_S", 0.001)
-    got, asked = _follow_across(tmp_path, [[{"dropped": 0}, _line(1)], *[[]] * client_mod.FOLLOW_LOST_MAX,
+    monkeypatch.setattr(wire, "RECONNECT_GAP_S", 0.001)
+    monkeypatch.setattr(wire, "RECONNECT_GAP_MAX_S", 0.001)
+    got, asked = _follow_across(tmp_path, [[{"dropped": 0}, _line(1)], *[[]] * refollow.FOLLOW_LOST_MAX,
                                            [{"dropped": 0}]])
-    assert got[0] == ProcOutput(1, b"line 1\n", 1.0) and len(asked) == 1 + client_mod.FOLLOW_LOST_MAX
+    assert got[0] == ProcOutput(1, b"line 1\n", 1.0) and len(asked) == 1 + refollow.FOLLOW_LOST_MAX
     err = got[1]
     assert isinstance(err, ConnectionLost) and err.op == "proc_logs" and err.sent, err
     said = str(err)
-    assert f"lost {client_mod.FOLLOW_LOST_MAX} times in a row without a frame" in said, said
+    assert f"lost {refollow.FOLLOW_LOST_MAX} times in a row without a frame" in said, said
     assert "process 3 in sandbox sb runs on" in said and ".output(since=1.0000000000000002)" in said, said
 
 
@@ -536,10 +536,10 @@ def _follow_a_dropping_daemon(tmp_path, monkeypatch, follower: str, lives: list[
     frames each connection's request gets before the connection is cut),
     then drops every request at once without a frame. What the follow gave,
     then the error that ended it."""
-    import dsecd.client as client_mod
+    from dsecd.client import wire
 
-    monkeypatch.setattr(client_mod, "RECONNECT_GAP_S", 0.001)
-    monkeypatch.setattr(client_mod, "RECONNECT_GAP_MAX_S", 0.001)
+    monkeypatch.setattr(wire, "RECONNECT_GAP_S", 0.001)
+    monkeypatch.setattr(wire, "RECONNECT_GAP_MAX_S", 0.001)
     sock_path = str(tmp_path / "d.sock")
     asked: list[dict] = []
 

@@ -1,7 +1,7 @@
 """A client newer than its daemon (an upgrade installed, the daemon not
 restarted yet, or another host's older dsecd): the daemon refuses a request
 or field it does not know with a bare "unknown op" or "unknown fields", and
-the client's error says why and what to do (client._answer_error). The
+the client's error says why and what to do (client.ops._answer_error). The
 answers here are as older daemons send them (protocol.parse_request's
 BadRequest, with `ops` or `allowed` in its detail)."""
 

@@ -252,9 +252,9 @@ def test_close_waits_for_an_undo_that_waits_out_a_restart(tmp_path, monkeypatch)
     create's) may wait up to reconnect_timeout for a restarted daemon
     before its round trip: close() waits that long too, not only for the
     round trip, or it cuts the undo off and the sandbox is left."""
-    import dsecd.client as client_mod
+    from dsecd.client import wire
 
-    monkeypatch.setattr(client_mod, "ABANDONED_CREATE_WAIT_S", 0.1)
+    monkeypatch.setattr(wire, "ABANDONED_CREATE_WAIT_S", 0.1)
 
     async def go():
         c = Client(str(tmp_path / "none.sock"), reconnect_timeout=1.0)

@@ -1,4 +1,4 @@
-"""Sandbox.upload_tar (dsecd/client.py) sends the whole tar whatever size
+"""Sandbox.upload_tar (dsecd/client/files.py) sends the whole tar whatever size
 the file object's reads come back in (no daemon, no root)."""
 
 from __future__ import annotations
