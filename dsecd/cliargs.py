@@ -3,8 +3,8 @@ usage error, --help, or a ^C before the command prints.
 
 Everything `dsec --help` or a usage error needs, and no more: this module
 imports neither the client nor asyncio, so those answer without paying for
-them (dsecd/cliboot.py parses with it before importing dsecd/cli.py, which
-runs the command). `dsec fleet`'s parse imports what checks its hosts.
+them (dsecd/cliboot.py parses with it before importing the package dsecd/cli/,
+which runs the command). `dsec fleet`'s parse imports what checks its hosts.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What `dsec` prints and how it reads KEY=VALUE words and argv values: shared by the
-command line (cli.py) and its fleet commands (fleet_cli.py)."""
+command line (dsecd/cli/) and its fleet commands (fleet_cli.py)."""
 
 from __future__ import annotations
 

@@ -3,11 +3,11 @@
 It is what `ssh host dsec rpc --stdio` and the SDK's ssh:// transport run
 on the host, once per connection, so its start is part of every remote
 connect: it imports the standard library only (cliboot.py runs it before
-dsecd/cli.py, whose imports, the client and the protocol's types, took
-~0.15 s and would relay nothing). It ends as every dsec command does: a
-usage error exits 2, a daemon it cannot reach 1 (as does stdout or stdin
-failing otherwise), a ^C 130, a reader of its stdout that went away 141,
-the daemon's close 0.
+the package dsecd/cli/, whose imports, the client and the protocol's
+types, took ~0.15 s and would relay nothing). It ends as every dsec
+command does: a usage error exits 2, a daemon it cannot reach 1 (as does
+stdout or stdin failing otherwise), a ^C 130, a reader of its stdout that
+went away 141, the daemon's close 0.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ of dsec's entry module (cliboot.py) SIGINT is only held, and dsec says it
 as it says a ^C during a command (`dsec CMD: interrupted (SIGINT)`, the
 --json error, exit 130) instead of starting the command: before reading
 the arguments (cliargs.parsed) or as the command would start
-(cli.run_command). Inside the command (`raised`), SIGINT is Python's
-KeyboardInterrupt again, which the commands and asyncio.run expect. A
-second ^C while one is held ends dsec at once, so a start that hangs (an
-import from a hung file system) can still be stopped.
+(run_command, cli/dispatch.py). Inside the command (`raised`), SIGINT is
+Python's KeyboardInterrupt again, which the commands and asyncio.run
+expect. A second ^C while one is held ends dsec at once, so a start that
+hangs (an import from a hung file system) can still be stopped.
 """
 
 from __future__ import annotations

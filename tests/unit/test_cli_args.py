@@ -409,7 +409,7 @@ def _check_refused_socket(tmp_path: Path, group: int) -> None:
     try:
         r = subprocess.run([*DSEC, "--socket", str(path), "ps"], capture_output=True, text=True, timeout=30,
                            user=65533, group=65533, extra_groups=[],
-                           env={**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])})
+                           env={**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[2])})
     finally:
         listener.close()
     assert r.returncode == 1
@@ -756,7 +756,7 @@ def test_cp_from_stdin_ends_at_sigterm_while_stdin_stays_open(tmp_path):
 
     r, w = os.pipe()                       # a producer that never ends
     p = subprocess.Popen([sys.executable, "-c", CP_FROM_STDIN], stdin=r, stderr=subprocess.PIPE,
-                         env={**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])})
+                         env={**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[2])})
     os.close(r)
     try:
         assert p.stderr.readline() == b"ready\n"
@@ -997,7 +997,7 @@ def _stand_in(script: str, sock: str, *args: str):
     """A stand-in daemon (`script`, on `sock`) while the block runs: the env a
     dsec process run against it takes, and the stand-in's process (whose
     stdout says "request OP" as each request comes: _wait_for_request)."""
-    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[2])}
     held = subprocess.Popen([sys.executable, "-c", script, sock, *args], stdout=subprocess.PIPE,
                             env={**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).parent)])})
     try:
