@@ -47,12 +47,13 @@ copies.py     cp: files and directories into and out of a sandbox
 images.py     image (build, import, pull, ls, inspect, tag, flatten, rm, gc,
               du) and snapshot
 network.py    net, port: a sandbox's network rules and published ports
+__main__.py   `python -m dsecd.cli ARGV`: dsec, as the `dsec` script runs it
 
-The command line is parsed by dsecd/cliargs.py, before this package is
-imported (dsecd/cliboot.py); what these modules and `dsec fleet`
-(dsecd/fleet_cli.py) both print is dsecd/clitext.py. A new command: its
-parser in cliargs.py, its handler in the module of its group, its name in
-dispatch.COMMANDS.
+The `dsec` script (dsecd/cliboot.py) parses the command line with
+dsecd/cliargs.py before it imports this package; what these modules and
+`dsec fleet` (dsecd/fleet_cli.py) both print is dsecd/clitext.py. A new
+command: its parser in cliargs.py, its handler in the module of its group,
+its name in dispatch.COMMANDS.
 """
 
 # What code outside the package reaches as dsecd.cli.NAME (cliboot.py's
