@@ -332,7 +332,7 @@ class Node:
         # init's pipes for the next daemon; what this one read would be lost.
         self.procs.close()
         self.create_service.close()
-        clock.plan_closes(CLOSE_STEPS)
+        clock.plan_closes(CLOSE_STEPS, after_late=lambda: self.workers.set_aside_stuck(busy_s=0))
         if self.vms.templates is not None:
             await clock.step("VM template builds", self.vms.templates.close())
         # Call sandboxes belong to this daemon: they go (the next start

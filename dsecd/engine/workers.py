@@ -137,17 +137,20 @@ class Workers:
             await asyncio.sleep(POLL_S)
             running &= {job for _name, job, _where in self.busy()}
 
-    def set_aside_stuck(self) -> int:
+    def set_aside_stuck(self, busy_s: float | None = None) -> int:
         """Daemon stop, once what it waits for had its time: when workers
-        are still in one piece of work since STUCK_S or more (a blocking
+        are still in one piece of work since `busy_s` (STUCK_S) or more (a blocking
         call that does not return: a read on a hung file system), the
         stop's own steps get a new pool rather than queue behind them for
         ever. The old pool is shut down without waiting: what it still
         holds queued is dropped (as a cancel before it starts), what it
         runs runs on until the daemon exits. How many workers were stuck;
-        each is logged with what it is in, for which request and sandbox."""
+        each is logged with what it is in, for which request and sandbox.
+        After a close step that ran out of its time, every worker still in
+        its work counts (busy_s 0): that step's destroys may fill the pool."""
         now = time.monotonic()
-        stuck = [(name, job, where) for name, job, where in self.busy() if now - job.started >= STUCK_S]
+        busy_s = STUCK_S if busy_s is None else busy_s
+        stuck = [(name, job, where) for name, job, where in self.busy() if now - job.started >= busy_s]
         if not stuck:
             return 0
         for name, job, where in stuck:
