@@ -50,8 +50,22 @@ def test_an_error_of_qemus_own_comes_with_its_last_words(tmp_path):
         h.close_pidfd()
 
 
-def test_a_clean_exit_says_only_its_code(tmp_path):
-    proc, h = _started(tmp_path, "echo booting >&2; exit 0")
+def test_an_exit_on_a_caught_signal_says_what_qemu_said_of_it(tmp_path):
+    """QEMU exits 0 on a SIGTERM from outside, as after a guest panic: its
+    stderr tells the two apart."""
+    proc, h = _started(tmp_path, "echo 'qemu-system-x86_64: terminating on signal 15 from pid 4242 (kill)' >&2; "
+                                 "exit 0")
+    try:
+        _ended(h)
+        assert how_qemu_ended(h) == {"exit_code": 0, "qemu_said": "qemu-system-x86_64: terminating on signal 15 "
+                                                                  "from pid 4242 (kill)"}
+    finally:
+        proc.wait(5)
+        h.close_pidfd()
+
+
+def test_an_exit_with_nothing_on_stderr_says_only_its_code(tmp_path):
+    proc, h = _started(tmp_path, "exit 0")
     try:
         _ended(h)
         assert how_qemu_ended(h) == {"exit_code": 0}

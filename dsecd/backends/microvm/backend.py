@@ -844,11 +844,15 @@ def guest_panic(serial_log: Path, n: int = 16 << 10) -> str | None:
 
 def how_qemu_ended(h: VmHandle) -> dict:
     """How a dead VM's QEMU ended, for its "died" event: {"signal": "SIGKILL"}
-    (the kernel's OOM killer, a kill from outside) or {"exit_code": n} (a
-    guest panic is 0; an error of QEMU's own is 1, its stderr's last lines
-    in "qemu_said"). Read without reaping it (WNOWAIT: the release that
-    follows waits for it); {} for a QEMU that is not the daemon's child
-    (re-adopted after a restart) or that has not exited."""
+    (the kernel's OOM killer, the watchdog, a SIGKILL from outside) or
+    {"exit_code": n}: 1 for an error of QEMU's own, 0 for a guest panic or
+    power-off, and 0 too for a SIGTERM, SIGINT or SIGHUP from outside,
+    which QEMU catches and exits on ("terminating on signal N from pid P").
+    With an exit code, the last lines of QEMU's stderr, where it says
+    which, in "qemu_said" (when it wrote any). Read without reaping it
+    (WNOWAIT: the stop that follows, MicroVMBackend.stop, waits for it);
+    {} for a QEMU that is not the daemon's child (re-adopted after a
+    restart) or that has not exited."""
     with h.pidfd_lock:
         if not h.is_child or h.pidfd < 0:
             return {}
@@ -859,22 +863,23 @@ def how_qemu_ended(h: VmHandle) -> dict:
     if st is None:
         return {}
     if st.si_code == os.CLD_EXITED:
-        ended = {"exit_code": st.si_status}
-        if st.si_status != 0:
-            ended["qemu_said"] = _tail(h.vm_dir / "qemu.log")
-        return ended
+        said = _tail(h.vm_dir / "qemu.log", missing="")
+        return {"exit_code": st.si_status} | ({"qemu_said": said} if said else {})
     try:
         return {"signal": signal.Signals(st.si_status).name}
     except ValueError:
         return {"signal": str(st.si_status)}
 
 
-def _tail(path: Path, n: int = 600) -> str:
+def _tail(path: Path, n: int = 600, missing: str | None = None) -> str:
+    """The last lines of a log, joined by " | "; `missing` (if given) for
+    one that is empty or unreadable, else a note saying which."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - n))
             text = f.read().decode(errors="replace").strip()
     except OSError:
-        return f"({path} unreadable)"
-    return " | ".join(line for line in text.splitlines()[-6:] if line.strip()) or "(empty)"
+        return f"({path} unreadable)" if missing is None else missing
+    lines = " | ".join(line for line in text.splitlines()[-6:] if line.strip())
+    return lines or ("(empty)" if missing is None else missing)
