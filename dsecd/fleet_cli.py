@@ -307,7 +307,7 @@ def _error_wire(err: BaseException) -> dict:
 
 
 class _ThroughFleet:
-    """What cli.cmd_call and cli.cmd_run need of a client, placed by the
+    """What cli/execs.py's cmd_call and cmd_run need of a client, placed by the
     fleet: call() on the least loaded host holding the image; run_stream()
     and run_detached() whose sandbox fleet.create makes (placed as `dsec
     fleet create`'s), its command, lease and removal then going straight to

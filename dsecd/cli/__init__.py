@@ -78,6 +78,7 @@ from ..cliargs import (  # noqa: F401 (parse_args and the parser's names, as dse
     split_command,
 )
 from ..clitext import UsageError, env_vars  # noqa: F401
+from .common import CommandOutput  # noqa: F401
 from .copies import _copy_out, _cp_merged, cmd_cp  # noqa: F401
 from .dispatch import (  # noqa: F401
     COMMANDS,

@@ -22,7 +22,7 @@ from ..errors import DsecError
 # freeze or thaw; a background process's may say it was started (the
 # daemon was done before the cancel landed), and it is then killed. So the
 # caller's cancel returns with nothing of it left or under way. Waited for
-# ABANDONED_CREATE_WAIT_S at most (close() waits for the rest).
+# ABANDONED_CREATE_WAIT_S (wire.py) at most (close() waits for the rest).
 SETTLED_WHEN_ABANDONED = ("exec", "file_tar_put", "file_remove", "proc_start", "snapshot", "pause", "resume",
                           "job_pause", "job_resume")
 # Requests that only read (file ops resume a paused sandbox, memory.auto_resume:
