@@ -93,3 +93,21 @@ __all__ = [
     "_Budget", "_SandboxContext", "_answer_error", "_destroy_on_the_way_out", "_left_behind", "_paths",
     "_sandbox_info",
 ]
+
+
+def _name_the_hinted_classes() -> None:
+    """A type hint naming a class of a module loaded after its own (a
+    Sandbox's client, a Process's sandbox) is imported for type checkers
+    only, which keeps the modules' imports acyclic. Once every module is
+    loaded the names are set in theirs, so typing.get_type_hints resolves
+    the SDK's hints at run time too, as it did when the SDK was one
+    module."""
+    from . import blocks, execs, files, processes, runs, sandbox
+
+    for module, names in ((blocks, ("Sandbox",)), (execs, ("Sandbox",)), (files, ("Client",)),
+                          (processes, ("Sandbox",)), (runs, ("Client", "Sandbox")), (sandbox, ("Client",))):
+        for name in names:
+            setattr(module, name, globals()[name])
+
+
+_name_the_hinted_classes()
