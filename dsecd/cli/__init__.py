@@ -34,8 +34,8 @@ dispatch.py   COMMANDS: each command's name -> its handler; the usage checks
               argparse cannot make; run_command and main: the command run, and
               how it ended as an exit status and --json's error
 common.py     what the commands share: the progress line, output kept for
-              --json, one item's error, stdin as it comes, SIGTERM and SIGHUP
-              ending a command as ^C does
+              --json, one item's error, stdin as it comes, `SB:/path` split,
+              SIGTERM and SIGHUP ending a command as ^C does
 host.py       info, top, policy, events, drain, undrain: the host and its daemon
 sandboxes.py  create, ps, inspect, rm: sandboxes made, listed and removed
 jobs.py       pause, resume, renew, job, pool: memory, leases, jobs, warm pools

@@ -1,7 +1,8 @@
 """What the `dsec` commands share: the progress line of a long image job,
 a command's output written through or kept for --json (CommandOutput),
-one item's --json error (rm, cat, pause), our stdin read as it comes, and
-SIGTERM or SIGHUP ending a command as ^C does."""
+one item's --json error (rm, cat, pause), our stdin read as it comes, a
+`SB:/path` argument split into its sandbox and path, and SIGTERM or
+SIGHUP ending a command as ^C does."""
 
 from __future__ import annotations
 
@@ -137,6 +138,14 @@ async def _stdin_as_it_comes():
     with reads as queue:
         while data := await queue.get():
             yield data
+
+
+def _split_remote(spec: str) -> tuple[str | None, str]:
+    """'SB:/path' -> (SB, /path); a local path -> (None, path). ./x:y stays local."""
+    head, sep, tail = spec.partition(":")
+    if sep and head and "/" not in head and tail.startswith("/"):
+        return head, tail
+    return None, spec
 
 
 @contextlib.contextmanager

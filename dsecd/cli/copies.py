@@ -26,8 +26,8 @@ from ..clitext import UsageError
 from ..clitext import print_json as _print_json
 from ..cptar import in_a_thread_of_its_own as _in_a_thread_of_its_own
 from ..errors import BadRequest, DsecError, NotFound, PermissionDenied
-from .common import _cancelled_by_ending_signals, _stdin_chunks
-from .files import _split_remote, _to_stdout
+from .common import _cancelled_by_ending_signals, _split_remote, _stdin_chunks
+from .files import _to_stdout
 
 
 def _relative_remote(spec: str) -> bool:

@@ -35,10 +35,10 @@ from ..fleet import fleet_target
 from ..localcopy import LocalCopyError
 from ..remote import SshOptions
 from ..tarsafe import Refused, TooLarge
-from .common import _cancelled_by_ending_signals
+from .common import _cancelled_by_ending_signals, _split_remote
 from .copies import _cp_sides, cmd_cp
 from .execs import cmd_call, cmd_exec, cmd_run
-from .files import _split_remote, cmd_cat, cmd_ls, cmd_watch
+from .files import cmd_cat, cmd_ls, cmd_watch
 from .host import cmd_drain, cmd_events, cmd_info, cmd_policy, cmd_top
 from .images import _absolute_excludes, _check_image_build, cmd_image, cmd_snapshot
 from .jobs import cmd_job, cmd_pause_resume, cmd_pool, cmd_renew

@@ -15,15 +15,7 @@ from ..clitext import print_json as _print_json
 from ..clitext import table as _table
 from ..cptar import in_a_thread_of_its_own as _in_a_thread_of_its_own
 from ..errors import DsecError
-from .common import _names_as_bytes, _print_item_error, _write_flush
-
-
-def _split_remote(spec: str) -> tuple[str | None, str]:
-    """'SB:/path' -> (SB, /path); a local path -> (None, path). ./x:y stays local."""
-    head, sep, tail = spec.partition(":")
-    if sep and head and "/" not in head and tail.startswith("/"):
-        return head, tail
-    return None, spec
+from .common import _names_as_bytes, _print_item_error, _split_remote, _write_flush
 
 
 async def _to_stdout(sb, path: str) -> int:

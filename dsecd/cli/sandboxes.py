@@ -14,8 +14,8 @@ from ..clitext import kv as _kv
 from ..clitext import print_json as _print_json
 from ..clitext import table as _table
 from ..errors import DsecError
-from .common import _print_item_error
-from .files import _rm_paths, _split_remote
+from .common import _print_item_error, _split_remote
+from .files import _rm_paths
 
 
 async def cmd_create(c: Client, a) -> int:
