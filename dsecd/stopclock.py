@@ -16,11 +16,12 @@ its end), the services' close the next (up to `LAST_SHARE` from its end),
 and the last part is for the tasks still running, cancelled, and the
 threads still at work. Within the close, each step keeps some time for
 the steps after it (StopClock.for_step), so one that hangs does not keep
-swap from being turned off or DAMON from being stopped. What does not end in its part is logged, naming
-what it was doing (the request, the sandbox, the call a thread is in), and
-left: the stop goes on. A thread still in a blocking call at the end would
-hold the interpreter's exit forever (it joins every worker thread), so the
-daemon then ends with os._exit (exit_now), its log flushed. A last resort
+swap from being turned off or DAMON from being stopped. What does not
+end in its part is logged, naming what it was doing (the request, the
+sandbox, the call a thread is in), and left: the stop goes on. A thread
+still in a blocking call at the end would hold the interpreter's exit
+forever (it joins every worker thread), so the daemon then ends with
+os._exit (exit_now), its log flushed. A last resort
 (StopClock.backstop) ends the process a few seconds past the deadline
 should the stop's own thread, the event loop's, be held in a blocking call.
 
