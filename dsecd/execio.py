@@ -488,6 +488,25 @@ def ended(status: int, timed_out: bool) -> tuple[int | None, int | None, bool]:
     return code, sig, timed_out and sig is not None
 
 
+def how_child_ended(pidfd: int) -> dict:
+    """How an exited child of this process ended, read without reaping it
+    (WNOWAIT: whoever reaps it still can): {"signal": "SIGKILL"} or
+    {"exit_code": n}; {} when it has not exited, or is not our child (one
+    adopted after a restart) or was reaped already."""
+    try:
+        st = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except OSError:
+        return {}
+    if st is None:
+        return {}
+    if st.si_code == os.CLD_EXITED:
+        return {"exit_code": st.si_status}
+    try:
+        return {"signal": signal.Signals(st.si_status).name}
+    except ValueError:
+        return {"signal": str(st.si_status)}
+
+
 # How often a run whose sandbox was paused past its timeout looks again
 # whether it has run that long (RunTimer.until_next_look).
 PAUSED_LOOK_S = 0.25

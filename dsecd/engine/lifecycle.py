@@ -10,6 +10,7 @@ import logging
 import os
 import time
 
+from .. import execio
 from ..backends.container import Handle, close_handle
 from ..backends.microvm.backend import SAVED_STATE, guest_panic, how_qemu_ended
 from ..config import ConfigError
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 # The journaled fields a re-adopted sandbox is rebuilt from (Sandbox.record).
 RECORD_FIELDS = ("image", "state", "created", "limits", "env", "labels", "hostname", "cwd", "user", "gid", "groups",
                  "backend",
-                 "died", "qos", "core_sched", "manifest", "layers", "ttl", "idle_ttl", "lease", "pause_record",
+                 "died", "death", "qos", "core_sched", "manifest", "layers", "ttl", "idle_ttl", "lease", "pause_record",
                  "net", "key", "key_args", "op_keys", "idmap", "procs", "policy", "vm")
 
 
@@ -352,9 +353,12 @@ class LifecycleService:
                 # a few KiB read here, before _vm_dead removes the directory.
                 why, detail = "panic", detail | {"detail": panic}
                 log.warning("sandbox %s: its guest kernel panicked: %s", sb.id, panic)
-            self.events.publish("died", sb.id, reason=why, **detail)
         else:
-            self.events.publish("died", sb.id, reason=why)
+            # A dsec-init dies only of a signal from outside (the OOM killer,
+            # a host's kill -9), or of a fault of its own.
+            detail = execio.how_child_ended(h.pidfd) if h is not None and h.is_child else {}
+        sb.death = {"reason": why} | detail
+        self.events.publish("died", sb.id, reason=why, **detail)
         sb.handle = None
         if sb.backend == "microvm":
             self.procs.vm_died(sb)       # its background processes died with its guest
@@ -378,7 +382,7 @@ class LifecycleService:
         try:
             kills = await self.workers.run(release)
             if kills is not None:
-                self.memory.report_oom(sb, kills)
+                self._report_oom_of_dead(sb, kills)
             await self.net.detach_net(sb)      # frees its lease and policy; the veth died with the netns
         finally:
             self._save_dead(sb)
@@ -390,12 +394,20 @@ class LifecycleService:
             kills = await self.workers.run(self.stop_counting_oom, sb.id, h, self.backend.group_for(sb.id),
                                            self.backend_of(sb))
             if kills is not None:
-                self.memory.report_oom(sb, kills)
+                self._report_oom_of_dead(sb, kills)
             if self.vms.backend is not None:
                 await self.workers.run(self.vms.backend.release, sb.id, h)
             await self.net.detach_net(sb)      # its tap died with QEMU; its policy and lease go
         finally:
             self._save_dead(sb)
+
+    def _report_oom_of_dead(self, sb: Sandbox, kills: int) -> None:
+        """The OOM kills its memory cgroup counted, read once more as it
+        went: an "oom" event for those not reported yet, and the total in
+        its death record (what it died of, often)."""
+        self.memory.report_oom(sb, kills)
+        if sb.oom_kills and sb.death is not None:
+            sb.death["oom_kills"] = sb.oom_kills
 
     def _save_dead(self, sb: Sandbox) -> None:
         """Journal a sandbox as dead, unless a destroy (a client reacting to

@@ -74,8 +74,10 @@ class Sandbox:
     stopping_by: str | None = None    # a destroy under way: its reason (ttl, request, ...), for its execs' results
     helper_execs: bool = False        # the daemon's helper started one: its CLONE_PARENT children are ours
     copies: int = 0                   # directory copies in or out running (the idle TTL waits for them)
-    exit_status: int | None = None
     died: float | None = None
+    # What its "died" event said (journaled): {"reason": ...} and how its
+    # init or QEMU ended ("signal" or "exit_code", "detail", "qemu_said").
+    death: dict | None = None
     manifest: str = ""          # image manifest digest: what snapshot and gc go by
     layers: list = field(default_factory=list)   # layer digests, bottom first
     ttl: float | None = None        # max lifetime, seconds
@@ -140,7 +142,7 @@ class Sandbox:
                 "groups": self.groups,
                 "backend": self.backend,
                 "init_pid": h.init_pid if h else None, "init_start": h.init_start if h else None,
-                "died": self.died, "qos": self.qos, "core_sched": self.core_sched,
+                "died": self.died, "death": self.death, "qos": self.qos, "core_sched": self.core_sched,
                 "manifest": self.manifest, "layers": self.layers, "ttl": self.ttl,
                 "idle_ttl": self.idle_ttl, "lease": self.lease, "pause_record": self.pause_record,
                 "net": self.net, "key": self.key, "key_args": self.key_args, "op_keys": self.op_keys,
@@ -161,6 +163,29 @@ class Sandbox:
         out["procs_running"] = sum(1 for rec in self.procs if rec.get("state") == "running")
         out["denials"] = self.denials
         return out
+
+
+# What a microVM's "died" reasons mean (a container's reason is a sentence already).
+DIED_BECAUSE = {"exited": "its QEMU exited", "panic": "its guest kernel panicked",
+                "hung": "its guest agent stopped answering and its QEMU was killed",
+                "agent_protocol": "its guest broke the agent's protocol and its QEMU was killed",
+                "gone": "its VM ended while no daemon ran"}
+
+
+def death_says(death: dict) -> str:
+    """A sandbox's death record (Sandbox.death) in a few words, for errors:
+    why, how its init or QEMU ended, and its OOM kills."""
+    reason = death.get("reason", "")
+    words = [DIED_BECAUSE.get(reason, reason)]
+    if "signal" in death:
+        words.append(f"killed by {death['signal']}")
+    elif "exit_code" in death:
+        words.append(f"exit code {death['exit_code']}")
+    if death.get("oom_kills"):
+        words.append(f"{death['oom_kills']} OOM kill(s) in its memory cgroup")
+    if death.get("detail"):
+        words.append(str(death["detail"])[:200])
+    return "; ".join(w for w in words if w)
 
 
 # Why a destroyed sandbox went (destroy_sandbox's reasons), for the error of
@@ -264,9 +289,12 @@ class SandboxRegistry:
                               {"sandbox": sb.id, "backend": sb.backend})
         if op_cls.STATES and sb.state not in op_cls.STATES:
             # Dead stays dead (its init or QEMU exited): only its record is left to remove.
-            then = f"; a dead sandbox never runs again: `dsec rm {sb.id}` removes it" if sb.state == "dead" else ""
-            raise Conflict(f"sandbox {sb.id} is {sb.state}; {op_cls.OP} needs it {' or '.join(op_cls.STATES)}"
-                           + then, {"sandbox": sb.id, "state": sb.state})
+            dead = sb.state == "dead"
+            died = f" ({death_says(sb.death)})" if dead and sb.death else ""
+            then = f"; a dead sandbox never runs again: `dsec rm {sb.id}` removes it" if dead else ""
+            raise Conflict(f"sandbox {sb.id} is {sb.state}{died}; {op_cls.OP} needs it "
+                           f"{' or '.join(op_cls.STATES)}" + then,
+                           {"sandbox": sb.id, "state": sb.state} | ({"death": sb.death} if died else {}))
         return sb
 
     def add(self, sb: Sandbox) -> None:

@@ -307,6 +307,7 @@ def test_kill9_readopts_and_marks_dead(fresh):
     assert c.get(alive.id).exec(["true"]).exit_code == 0
     info = c.get(doomed.id).info
     assert info["state"] == "dead"
+    assert info["death"] == {"reason": "its init exited while no daemon ran"}, info   # not our child: no status
     with pytest.raises(Conflict):
         c.get(doomed.id).exec(["true"])
     c.get(doomed.id).destroy()
@@ -314,15 +315,26 @@ def test_kill9_readopts_and_marks_dead(fresh):
     c.close()
 
 
-def test_sandbox_whose_init_dies_is_marked_dead(fresh):
+def test_sandbox_whose_init_dies_is_marked_dead_saying_how(fresh):
     c = fresh.client()
     sb = c.create(image="busybox")
-    os.kill(sb.inspect()["init_pid"], signal.SIGKILL)
+    init_pid = sb.inspect()["init_pid"]
+    os.kill(init_pid, signal.SIGKILL)
     deadline = time.monotonic() + 5
     while sb.inspect()["state"] != "dead" and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sb.inspect()["state"] == "dead"
-    sb.destroy()
+    info = sb.inspect()
+    assert info["state"] == "dead"
+    assert info["death"] == {"reason": f"its init (pid {init_pid}) exited", "signal": "SIGKILL"}, info
+    with pytest.raises(Conflict, match=r"is dead \(its init \(pid \d+\) exited; killed by SIGKILL\)") as err:
+        sb.exec(["true"])
+    assert err.value.detail["death"] == info["death"]
+    c.close()
+    fresh.stop()
+    fresh.start()                       # the record says it still
+    c = fresh.client()
+    assert c.get(sb.id).inspect()["death"] == info["death"]
+    c.get(sb.id).destroy()
     c.close()
 
 

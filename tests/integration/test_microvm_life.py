@@ -737,6 +737,8 @@ def test_a_guest_that_panics_is_reported_dead_and_cleaned_up(vmd):
     # The guest's kernel said why in its serial log: the event says it too.
     assert died and died[0]["reason"] == "panic" and "sysrq" in died[0]["detail"], died
     assert died[0]["exit_code"] == 0, died           # -no-reboot: QEMU exits by itself
+    death = sb.inspect()["death"]
+    assert death == {k: died[0][k] for k in death} and death["reason"] == "panic", (death, died)
     sb.destroy()
 
 
@@ -862,6 +864,9 @@ def test_qemu_killed_by_its_memory_limit_is_an_oom_event(daemon_factory, busybox
         assert "oom" in kinds and kinds["oom"]["kills"] >= 1, f"{kinds}\n" + "\n".join(said)
         assert kinds["died"]["reason"] == "exited", f"{kinds['died']}"
         assert kinds["died"].get("signal") == "SIGKILL", f"{kinds['died']}"
+        # inspect keeps what the event said, with the OOM kills counted.
+        kills = sum(e["kills"] for e in _events(d, sb.id) if e["event"] == "oom")
+        assert sb.inspect()["death"] == {"reason": "exited", "signal": "SIGKILL", "oom_kills": kills}
         sb.destroy()
     finally:
         c.close()

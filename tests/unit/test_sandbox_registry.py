@@ -9,6 +9,7 @@ from journal_kit import MemoryJournal
 
 from dsecd.cpu import admission
 from dsecd.engine.sandboxes import Sandbox, SandboxRegistry
+from dsecd.errors import Conflict
 
 GiB = 1 << 30
 
@@ -165,3 +166,36 @@ def test_an_ambiguous_prefix_names_what_it_begins_and_a_short_one_says_how_long(
     assert info.value.detail == {"sandbox": "abc"}
     with pytest.raises(NotFound, match=r"no sandbox 'fff' \(see `dsec ps`\)$"):
         reg.named("fff")
+
+
+class _Exec:
+    OP, STATES = "exec", ("running",)
+
+
+@pytest.mark.parametrize("death, says", [
+    ({"reason": "its init (pid 7) exited", "signal": "SIGKILL", "oom_kills": 2},
+     "its init (pid 7) exited; killed by SIGKILL; 2 OOM kill(s) in its memory cgroup"),
+    ({"reason": "panic", "exit_code": 0, "detail": "Kernel panic - not syncing: sysrq triggered crash"},
+     "its guest kernel panicked; exit code 0; Kernel panic - not syncing: sysrq triggered crash"),
+    ({"reason": "gone"}, "its VM ended while no daemon ran"),
+])
+def test_a_request_to_a_dead_sandbox_says_what_it_died_of(death, says):
+    reg = SandboxRegistry(MemoryJournal())
+    sb = _sb(1, 0.1, GiB)
+    reg.add(sb)
+    reg.mark_dead(sb)
+    sb.death = death
+    with pytest.raises(Conflict) as err:
+        reg.get(sb.id, _Exec)
+    assert f"is dead ({says}); exec needs it running" in str(err.value)
+    assert err.value.detail["death"] == death and sb.public()["death"] == death
+
+
+def test_a_dead_sandbox_of_an_older_daemon_has_no_death_to_say():
+    reg = SandboxRegistry(MemoryJournal())
+    sb = _sb(1, 0.1, GiB)
+    reg.add(sb)
+    reg.mark_dead(sb)
+    with pytest.raises(Conflict, match=r"is dead; exec needs it running") as err:
+        reg.get(sb.id, _Exec)
+    assert "death" not in err.value.detail

@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ... import cgroup, fds, native
+from ... import cgroup, execio, fds, native
 from ...feature import Feature
 from ...steps import Steps
 from ..container import proc_start_time
@@ -856,19 +856,11 @@ def how_qemu_ended(h: VmHandle) -> dict:
     with h.pidfd_lock:
         if not h.is_child or h.pidfd < 0:
             return {}
-        try:
-            st = os.waitid(os.P_PIDFD, h.pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except OSError:
-            return {}
-    if st is None:
-        return {}
-    if st.si_code == os.CLD_EXITED:
+        how = execio.how_child_ended(h.pidfd)
+    if "exit_code" in how:
         said = _tail(h.vm_dir / "qemu.log", missing="")
-        return {"exit_code": st.si_status} | ({"qemu_said": said} if said else {})
-    try:
-        return {"signal": signal.Signals(st.si_status).name}
-    except ValueError:
-        return {"signal": str(st.si_status)}
+        return how | ({"qemu_said": said} if said else {})
+    return how
 
 
 def _tail(path: Path, n: int = 600, missing: str | None = None) -> str:
