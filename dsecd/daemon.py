@@ -39,7 +39,7 @@ from .metrics import MetricsServer, parse_listen
 from .node import RUNNING_MARK, Node
 from .sdnotify import Notifier
 from .server import Server
-from .stopclock import StopClock, end_what_is_left, exit_now
+from .stopclock import LEFT_WORK_STATUS, StopClock, end_what_is_left, exit_now
 
 log = logging.getLogger("dsecd")
 
@@ -315,10 +315,11 @@ def lock_state_dir(state_dir: str) -> int:
     return fd
 
 
-async def serve(cfg, args: argparse.Namespace, locks: list[int]) -> None:
-    """The daemon from its start to its stop; `locks`: the fds of its flocks
-    (state dir, cgroup root), held for its life (given up early only by a
-    stop that exits with threads stuck: stopclock.exit_now)."""
+async def serve(cfg, args: argparse.Namespace, locks: list[int]) -> int:
+    """The daemon from its start to its stop, and the exit status its stop
+    calls for; `locks`: the fds of its flocks (state dir, cgroup root),
+    held for its life (given up early only by a stop that exits with
+    threads stuck: stopclock.exit_now)."""
     notifier = Notifier()
     # From the first step: a start can take minutes (re-adoption), and a
     # signal's default meanwhile would end the daemon without a clean stop
@@ -388,15 +389,16 @@ async def serve(cfg, args: argparse.Namespace, locks: list[int]) -> None:
     if early:
         node.reloader.request()
     await stop.wait()
-    await stop_daemon(node, server, monitor, exporter, notifier, locks)
+    return await stop_daemon(node, server, monitor, exporter, notifier, locks)
 
 
 async def stop_daemon(node: Node, server: Server, monitor: LoopMonitor, exporter, notifier: Notifier,
-                      locks: list[int]) -> None:
+                      locks: list[int]) -> int:
     """The stop: every wait in it ends by one deadline, daemon.stop_timeout_s
     from now (dsecd/stopclock.py); what does not end by then is logged and
     left, and the daemon exits anyway (a last resort ends it a few seconds
-    later should the event loop's own thread be held in a blocking call)."""
+    later should the event loop's own thread be held in a blocking call).
+    Its exit status: 0, or stopclock.LEFT_WORK_STATUS when it left work."""
     clock = StopClock(node.cfg.section("daemon")["stop_timeout_s"])
     clock.backstop()
     log.info("stopping; sandboxes keep running", extra={"fields": {"event": "stopping",
@@ -425,9 +427,11 @@ async def stop_daemon(node: Node, server: Server, monitor: LoopMonitor, exporter
         exit_now(stuck, clock, locks)       # says it, and that the running mark stays
     if left:
         log.warning("stopping: %s stays in the state dir, as the stop left work under way: the next start "
-                    "takes this stop for a death, and kills the execs left running in sandboxes", RUNNING_MARK)
-    else:
-        node.forget_running_mark()
+                    "takes this stop for a death, and kills the execs left running in sandboxes; exit "
+                    "status %d", RUNNING_MARK, LEFT_WORK_STATUS)
+        return LEFT_WORK_STATUS
+    node.forget_running_mark()
+    return 0
 
 
 async def start_node(node) -> None:
@@ -500,14 +504,16 @@ def main(argv: list[str] | None = None) -> None:
         try:
             import uvloop
 
-            uvloop.run(serve(cfg, args, locks))
+            status = uvloop.run(serve(cfg, args, locks))
         except ImportError:
             log.warning("uvloop not installed; using the default asyncio loop")
-            asyncio.run(serve(cfg, args, locks))
+            status = asyncio.run(serve(cfg, args, locks))
     except SystemExit as err:
         if isinstance(err.code, str):       # a start that failed, said in words
             fail(err.code)
         raise
+    if status:
+        sys.exit(status)
 
 
 def fail(message: str) -> None:

@@ -67,6 +67,12 @@ THREAD_POLL_S = 0.02
 # How long after the deadline the last resort (StopClock.backstop) ends a
 # stop whose own thread, the event loop's, is held in a blocking call.
 BACKSTOP_S = 5.0
+# The exit status of a stop that left work under way (a request, a close
+# step, a thread in a blocking call): not 0, so systemd lists the unit as
+# failed (`systemctl status`, `--failed`) and an operator looks at the log;
+# the next start takes such a stop for a death (dsecd.running stays). 1 is
+# a start that failed, 2 a usage error.
+LEFT_WORK_STATUS = 3
 
 
 class StopClock:
@@ -98,7 +104,7 @@ class StopClock:
         def watch() -> None:
             time.sleep(max(0.0, self.end + BACKSTOP_S - self._now()))
             _say_stuck_loop(loop_thread, self)
-            os._exit(0)
+            os._exit(LEFT_WORK_STATUS)
 
         threading.Thread(target=watch, name="dsecd-stop-backstop", daemon=True).start()
 
@@ -191,7 +197,7 @@ async def end_what_is_left(clock: StopClock) -> list[str]:
     return left
 
 
-def exit_now(left: list[str], clock: StopClock, locks: list[int], status: int = 0) -> None:
+def exit_now(left: list[str], clock: StopClock, locks: list[int], status: int = LEFT_WORK_STATUS) -> None:
     """End the process though threads are still in blocking calls and
     tasks still running (`left`, described): said in the log, atexit's
     functions run (the log flushed), `locks` (the flocks on the state dir

@@ -16,7 +16,7 @@ import threading
 
 from log_kit import records_of
 
-from dsecd import doing
+from dsecd import doing, stopclock
 from dsecd import node as node_mod
 from dsecd.engine import workers as workers_mod
 from dsecd.engine.workers import Workers, outcome
@@ -326,7 +326,7 @@ def test_a_stop_whose_loop_thread_is_held_is_ended_by_the_last_resort(tmp_path):
     began = time.monotonic()
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=20)
     took = time.monotonic() - began
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == stopclock.LEFT_WORK_STATUS, done.stderr
     line = json.loads(done.stderr.strip().splitlines()[-1])
     assert line["event"] == "stop_backstop" and line["level"] == "error", line
     assert "save_ring_on_a_hung_disk" in line["where"], line
@@ -435,14 +435,15 @@ def test_no_journal_write_starts_after_a_stop_gave_up_its_locks(tmp_path, monkey
 
 
 def _stop_daemon_with(node_close, reload_close=None):
-    """dsecd.daemon.stop_daemon on stand-ins: what it marked and how long
-    it gave the config reload. `node_close`: the node's close."""
+    """dsecd.daemon.stop_daemon on stand-ins: what it marked, how long it
+    gave the config reload and the exit status it returned. `node_close`:
+    the node's close."""
     from types import SimpleNamespace
     from unittest import mock
 
     from dsecd import daemon, stopclock
 
-    seen = {"forgot": False, "reload_timeout": None}
+    seen = {"forgot": False, "reload_timeout": None, "status": None}
 
     async def reloader_close(timeout):
         seen["reload_timeout"] = timeout
@@ -463,7 +464,7 @@ def _stop_daemon_with(node_close, reload_close=None):
     # No last resort here: its thread would end this test process (os._exit)
     # 80 s on.
     with mock.patch.object(stopclock.StopClock, "backstop", lambda self: None):
-        asyncio.run(daemon.stop_daemon(node, server, monitor, None, notifier, []))
+        seen["status"] = asyncio.run(daemon.stop_daemon(node, server, monitor, None, notifier, []))
     return seen
 
 
@@ -472,7 +473,7 @@ def test_a_stop_with_nothing_left_forgets_the_running_mark_and_gives_a_reload_a_
         return 0
 
     seen = _stop_daemon_with(close)
-    assert seen["forgot"]
+    assert seen["forgot"] and seen["status"] == 0
     assert seen["reload_timeout"] <= 5.0, seen      # not the requests' 60 s
 
 
@@ -485,5 +486,16 @@ def test_a_close_step_that_fails_leaves_the_running_mark_and_the_stop_ends(caplo
 
     with caplog.at_level(logging.ERROR, logger="dsecd"):
         seen = _stop_daemon_with(close)
-    assert not seen["forgot"]
+    assert not seen["forgot"] and seen["status"] == stopclock.LEFT_WORK_STATUS != 0
     assert "closing the daemon's services failed" in caplog.text
+
+
+def test_a_stop_that_left_work_exits_saying_so_to_systemd():
+    """Work the close left (a request, a close step that ran late): the
+    status is not 0, so systemd lists the unit failed and the operator
+    looks at the log, which names what was left."""
+    async def close(requests_ended, clock):
+        return 2
+
+    seen = _stop_daemon_with(close)
+    assert not seen["forgot"] and seen["status"] == stopclock.LEFT_WORK_STATUS
