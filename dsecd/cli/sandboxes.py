@@ -36,7 +36,7 @@ async def cmd_ps(c: Client, a) -> int:
     for s in sorted(sbs, key=lambda s: s["created"]):
         lim = s["limits"]
         # Networking a restarted daemon could not re-adopt is gone: said where the sandboxes are listed.
-        state = s["state"] + (", net lost" if (s.get("net") or {}).get("lost") else "")
+        state = s["state"] + _death_tag(s.get("death")) + (", net lost" if (s.get("net") or {}).get("lost") else "")
         rows.append([s["id"], s["image"], state, f"{lim['cpu']:g}", _human_bytes(lim["memory"]),
                      str(s["execs_running"]), str(s.get("procs_running", 0)),
                      _clock(s["created"]),
@@ -44,6 +44,21 @@ async def cmd_ps(c: Client, a) -> int:
                      " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(s["labels"].items()))])
     _table(rows, ["ID", "IMAGE", "STATE", "CPU", "MEMORY", "EXECS", "PROCS", "CREATED", "LABELS"])
     return 0
+
+
+def _death_tag(death: dict | None) -> str:
+    """What a dead sandbox died of, in a word or three for its STATE
+    column ("dead, SIGKILL, oom"; `dsec inspect` has it whole)."""
+    if not death:
+        return ""
+    words = [death["reason"]] if death.get("reason") in ("panic", "hung", "agent_protocol", "gone") else []
+    if "signal" in death:
+        words.append(death["signal"])
+    elif "exit_code" in death:
+        words.append(f"exit {death['exit_code']}")
+    if death.get("oom_kills"):
+        words.append("oom")
+    return "".join(f", {w}" for w in words)
 
 
 async def cmd_inspect(c: Client, a) -> int:

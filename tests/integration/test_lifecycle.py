@@ -329,6 +329,7 @@ def test_sandbox_whose_init_dies_is_marked_dead_saying_how(fresh):
     with pytest.raises(Conflict, match=r"is dead \(its init \(pid \d+\) exited; killed by SIGKILL\)") as err:
         sb.exec(["true"])
     assert err.value.detail["death"] == info["death"]
+    assert re.search(rf"{sb.id} .* dead, SIGKILL ", fresh.cli("ps").stdout.decode())
     c.close()
     fresh.stop()
     fresh.start()                       # the record says it still
