@@ -50,6 +50,15 @@ measures through the Python SDK:
   floor_rates_per_s), and floor_total; `dsecd`: a burst sandbox's CPU by
   who ran it (the daemon, the sandbox's own cgroup, the client; medians of
   the rounds), dsecd_total and dsecd_over_floor;
+* burst_sandbox_floor_ratio: burst_creates_per_s over the rate of the
+  kernel's whole create (floor_rates_per_s.seccomp: the same namespaces,
+  cgroups, mounts, root switch and seccomp filter, exec of busybox's
+  `true`, no dsecd). Unlike burst_floor_ratio it is not interleaved with
+  the burst (the stages run once, before it) and the stages make each
+  sandbox among none live, so it reads high on a host whose load rises
+  during the burst; it says how far dsecd is from a create with the same
+  isolation, where burst_floor_ratio compares with one without cgroups,
+  mounts or a filter;
 * burst_perf_split (with `--perf`, where perf is installed): the last burst
   round under `perf record -g` of the daemon and this client, samples by
   who ran them (daemon loop, daemon workers, spawn children before
@@ -448,6 +457,7 @@ async def measure(sock: str, args, rootfs: str) -> dict:
     out.update(kernel_floor.figures())
     if stages is not None:
         out["create_breakdown_cpu_ms"] = breakdown(stages, out["burst_cpu_ms"])
+        out["burst_sandbox_floor_ratio"] = round(out["burst_creates_per_s"] / stages["seccomp"]["per_s"], 3)
     gone = await teardown(sock)
     out.update(burst_destroy_s=round(gone["seconds"], 3),
                burst_destroys_per_s=round(gone["destroyed"] / gone["seconds"], 1),
