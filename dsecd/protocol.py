@@ -437,6 +437,12 @@ class ExecSignal:
 # Background processes (dsecd/engine/procs.py): started detached, named by
 # their pid in the sandbox; their output is kept in a ring per process.
 PROC_STATES = ("running", "paused", "dead")
+# A microVM's "died" event reasons, and what each means (a container's
+# reason is a sentence already): the daemon's errors and `dsec ps` say them.
+VM_DIED_BECAUSE = {"exited": "its QEMU exited", "panic": "its guest kernel panicked",
+                   "hung": "its guest agent stopped answering and its QEMU was killed",
+                   "agent_protocol": "its guest broke the agent's protocol and its QEMU was killed",
+                   "gone": "found dead when the daemon started"}
 
 
 @request("proc_start", states=ACTIVE)

@@ -14,6 +14,7 @@ from ..clitext import kv as _kv
 from ..clitext import print_json as _print_json
 from ..clitext import table as _table
 from ..errors import DsecError
+from ..protocol import VM_DIED_BECAUSE
 from .common import _print_item_error, _split_remote
 from .files import _rm_paths
 
@@ -48,16 +49,17 @@ async def cmd_ps(c: Client, a) -> int:
 
 def _death_tag(death: dict | None) -> str:
     """What a dead sandbox died of, in a word or three for its STATE
-    column ("dead, SIGKILL, oom"; `dsec inspect` has it whole)."""
+    column ("dead, SIGKILL", a microVM's "dead, exited, SIGKILL, 1 oom
+    kills"; `dsec inspect` has it whole)."""
     if not death:
         return ""
-    words = [death["reason"]] if death.get("reason") in ("panic", "hung", "agent_protocol", "gone") else []
+    words = [death["reason"]] if death.get("reason") in VM_DIED_BECAUSE else []
     if "signal" in death:
         words.append(death["signal"])
     elif "exit_code" in death:
         words.append(f"exit {death['exit_code']}")
     if death.get("oom_kills"):
-        words.append("oom")
+        words.append(f"{death['oom_kills']} oom kills")
     return "".join(f", {w}" for w in words)
 
 

@@ -343,10 +343,12 @@ class LifecycleService:
             # its memory limit: an "oom" event follows). How QEMU ended (a
             # signal, an exit code) goes with it: an exit of QEMU's own
             # (code 1) is no guest's doing.
+            # "gone": found dead at a start, `why` saying how (no QEMU, or one
+            # that would not end).
             extra = getattr(h, "extra", {}) if h is not None else {}
-            why = extra.get("died_because", "exited") if h is not None else "gone"
+            why, given = (extra.get("died_because", "exited"), why) if h is not None else ("gone", why)
             detail = {"detail": extra["died_why"]} if "died_why" in extra else {}
-            detail |= how_qemu_ended(h) if h is not None else {}
+            detail |= how_qemu_ended(h) if h is not None else {"detail": given}
             panic = guest_panic(h.vm_dir / "serial.log") if why == "exited" else None
             if panic:
                 # Its kernel said why (e.g. "System is deadlocked on memory"):
@@ -354,8 +356,9 @@ class LifecycleService:
                 why, detail = "panic", detail | {"detail": panic}
                 log.warning("sandbox %s: its guest kernel panicked: %s", sb.id, panic)
         else:
-            # A dsec-init dies only of a signal from outside (the OOM killer,
-            # a host's kill -9), or of a fault of its own.
+            # A dsec-init runs with oom_score_adj -1000, so no OOM kill ends
+            # it: it dies of a signal from outside (a host's kill -9) or of
+            # a fault of its own.
             detail = execio.how_child_ended(h.pidfd) if h is not None and h.is_child else {}
         sb.death = {"reason": why} | detail
         self.events.publish("died", sb.id, reason=why, **detail)
@@ -382,7 +385,7 @@ class LifecycleService:
         try:
             kills = await self.workers.run(release)
             if kills is not None:
-                self._report_oom_of_dead(sb, kills)
+                self.memory.report_oom(sb, kills)
             await self.net.detach_net(sb)      # frees its lease and policy; the veth died with the netns
         finally:
             self._save_dead(sb)
@@ -394,20 +397,16 @@ class LifecycleService:
             kills = await self.workers.run(self.stop_counting_oom, sb.id, h, self.backend.group_for(sb.id),
                                            self.backend_of(sb))
             if kills is not None:
-                self._report_oom_of_dead(sb, kills)
+                self.memory.report_oom(sb, kills)
+            if sb.oom_kills and sb.death is not None:
+                # QEMU is the VM's one process: its memory cgroup's OOM kills
+                # are what it died of, or what its guest's death followed.
+                sb.death["oom_kills"] = sb.oom_kills
             if self.vms.backend is not None:
                 await self.workers.run(self.vms.backend.release, sb.id, h)
             await self.net.detach_net(sb)      # its tap died with QEMU; its policy and lease go
         finally:
             self._save_dead(sb)
-
-    def _report_oom_of_dead(self, sb: Sandbox, kills: int) -> None:
-        """The OOM kills its memory cgroup counted, read once more as it
-        went: an "oom" event for those not reported yet, and the total in
-        its death record (what it died of, often)."""
-        self.memory.report_oom(sb, kills)
-        if sb.oom_kills and sb.death is not None:
-            sb.death["oom_kills"] = sb.oom_kills
 
     def _save_dead(self, sb: Sandbox) -> None:
         """Journal a sandbox as dead, unless a destroy (a client reacting to

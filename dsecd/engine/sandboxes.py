@@ -30,6 +30,7 @@ from ..backends.container import Handle
 from ..cpu.admission import Requested
 from ..errors import BadRequest, Conflict, LimitExceeded, NotFound, Unsupported, io_error
 from ..journal import Journal
+from ..protocol import VM_DIED_BECAUSE
 from .opkeys import OpKeys
 
 # The ops a microVM sandbox serves (dsecd/engine/microvms.py, vmfiles.py); the others are
@@ -76,7 +77,8 @@ class Sandbox:
     copies: int = 0                   # directory copies in or out running (the idle TTL waits for them)
     died: float | None = None
     # What its "died" event said (journaled): {"reason": ...} and how its
-    # init or QEMU ended ("signal" or "exit_code", "detail", "qemu_said").
+    # init or QEMU ended ("signal" or "exit_code", "detail", "qemu_said");
+    # a microVM's also "oom_kills", its QEMU's memory cgroup's.
     death: dict | None = None
     manifest: str = ""          # image manifest digest: what snapshot and gc go by
     layers: list = field(default_factory=list)   # layer digests, bottom first
@@ -165,24 +167,17 @@ class Sandbox:
         return out
 
 
-# What a microVM's "died" reasons mean (a container's reason is a sentence already).
-DIED_BECAUSE = {"exited": "its QEMU exited", "panic": "its guest kernel panicked",
-                "hung": "its guest agent stopped answering and its QEMU was killed",
-                "agent_protocol": "its guest broke the agent's protocol and its QEMU was killed",
-                "gone": "its VM ended while no daemon ran"}
-
-
 def death_says(death: dict) -> str:
     """A sandbox's death record (Sandbox.death) in a few words, for errors:
     why, how its init or QEMU ended, and its OOM kills."""
     reason = death.get("reason", "")
-    words = [DIED_BECAUSE.get(reason, reason)]
+    words = [VM_DIED_BECAUSE.get(reason, reason)]
     if "signal" in death:
         words.append(f"killed by {death['signal']}")
     elif "exit_code" in death:
         words.append(f"exit code {death['exit_code']}")
     if death.get("oom_kills"):
-        words.append(f"{death['oom_kills']} OOM kill(s) in its memory cgroup")
+        words.append(f"{death['oom_kills']} OOM kill(s) of its QEMU's memory cgroup")
     if death.get("detail"):
         words.append(str(death["detail"])[:200])
     return "; ".join(w for w in words if w)
@@ -290,11 +285,11 @@ class SandboxRegistry:
         if op_cls.STATES and sb.state not in op_cls.STATES:
             # Dead stays dead (its init or QEMU exited): only its record is left to remove.
             dead = sb.state == "dead"
-            died = f" ({death_says(sb.death)})" if dead and sb.death else ""
+            said = f" ({death_says(sb.death)})" if dead and sb.death else ""
             then = f"; a dead sandbox never runs again: `dsec rm {sb.id}` removes it" if dead else ""
-            raise Conflict(f"sandbox {sb.id} is {sb.state}{died}; {op_cls.OP} needs it "
+            raise Conflict(f"sandbox {sb.id} is {sb.state}{said}; {op_cls.OP} needs it "
                            f"{' or '.join(op_cls.STATES)}" + then,
-                           {"sandbox": sb.id, "state": sb.state} | ({"death": sb.death} if died else {}))
+                           {"sandbox": sb.id, "state": sb.state} | ({"death": sb.death} if said else {}))
         return sb
 
     def add(self, sb: Sandbox) -> None:

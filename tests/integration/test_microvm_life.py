@@ -116,7 +116,9 @@ def test_a_vm_that_died_while_no_daemon_ran_is_dead_after_the_restart(vmd):
     d.start()
     c2 = d.client()
     try:
-        assert c2.get(sb.id).inspect()["state"] == "dead"
+        info = c2.get(sb.id).inspect()
+        assert info["state"] == "dead"
+        assert info["death"] == {"reason": "gone", "detail": "its VM ended while no daemon ran"}, info
         assert any(ev["event"] == "died" for ev in _events(d, sb.id))
         c2.get(sb.id).destroy()
         _gone(d, sb.id, qemu, cgroups)
@@ -739,6 +741,7 @@ def test_a_guest_that_panics_is_reported_dead_and_cleaned_up(vmd):
     assert died[0]["exit_code"] == 0, died           # -no-reboot: QEMU exits by itself
     death = sb.inspect()["death"]
     assert death == {k: died[0][k] for k in death} and death["reason"] == "panic", (death, died)
+    assert death["exit_code"] == 0 and "sysrq" in death["detail"], death
     sb.destroy()
 
 

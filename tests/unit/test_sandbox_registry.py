@@ -173,11 +173,13 @@ class _Exec:
 
 
 @pytest.mark.parametrize("death, says", [
-    ({"reason": "its init (pid 7) exited", "signal": "SIGKILL", "oom_kills": 2},
-     "its init (pid 7) exited; killed by SIGKILL; 2 OOM kill(s) in its memory cgroup"),
+    ({"reason": "its init (pid 7) exited", "signal": "SIGKILL"}, "its init (pid 7) exited; killed by SIGKILL"),
+    ({"reason": "exited", "signal": "SIGKILL", "oom_kills": 2},
+     "its QEMU exited; killed by SIGKILL; 2 OOM kill(s) of its QEMU's memory cgroup"),
     ({"reason": "panic", "exit_code": 0, "detail": "Kernel panic - not syncing: sysrq triggered crash"},
      "its guest kernel panicked; exit code 0; Kernel panic - not syncing: sysrq triggered crash"),
-    ({"reason": "gone"}, "its VM ended while no daemon ran"),
+    ({"reason": "gone", "detail": "its VM ended while no daemon ran"},
+     "found dead when the daemon started; its VM ended while no daemon ran"),
 ])
 def test_a_request_to_a_dead_sandbox_says_what_it_died_of(death, says):
     reg = SandboxRegistry(MemoryJournal())
@@ -189,6 +191,18 @@ def test_a_request_to_a_dead_sandbox_says_what_it_died_of(death, says):
         reg.get(sb.id, _Exec)
     assert f"is dead ({says}); exec needs it running" in str(err.value)
     assert err.value.detail["death"] == death and sb.public()["death"] == death
+
+
+@pytest.mark.parametrize("death, tag", [
+    (None, ""),
+    ({"reason": "its init (pid 7) exited", "signal": "SIGKILL"}, ", SIGKILL"),
+    ({"reason": "its init exited while no daemon ran"}, ""),
+    ({"reason": "exited", "signal": "SIGKILL", "oom_kills": 1}, ", exited, SIGKILL, 1 oom kills"),
+    ({"reason": "panic", "exit_code": 0, "detail": "Kernel panic"}, ", panic, exit 0"),
+])
+def test_dsec_ps_says_in_short_what_a_dead_sandbox_died_of(death, tag):
+    from dsecd.cli.sandboxes import _death_tag
+    assert _death_tag(death) == tag
 
 
 def test_a_dead_sandbox_of_an_older_daemon_has_no_death_to_say():
