@@ -25,7 +25,8 @@ os._exit (exit_now), its log flushed. A last resort
 (StopClock.backstop) ends the process a few seconds past the deadline
 should the stop's own thread, the event loop's, be held in a blocking call.
 
-What was left is found by the next start as after a death: the stop keeps
+A stop that left anything exits with LEFT_WORK_STATUS, not 0. What was
+left is found by the next start as after a death: the stop keeps
 the state dir's running mark (node.RUNNING_MARK), so the execs left
 running are killed; a sandbox whose create was cut short has no journal
 record, or one in state `creating`, and is removed; the journal holds every
@@ -70,9 +71,12 @@ BACKSTOP_S = 5.0
 # The exit status of a stop that left work under way (a request, a close
 # step, a thread in a blocking call): not 0, so systemd lists the unit as
 # failed (`systemctl status`, `--failed`) and an operator looks at the log;
-# the next start takes such a stop for a death (dsecd.running stays). 1 is
-# a start that failed, 2 a usage error.
-LEFT_WORK_STATUS = 3
+# the next start takes such a stop for a death (dsecd.running stays), and
+# cleans up after it. EX_TEMPFAIL of sysexits.h (systemd prints
+# "75/TEMPFAIL"): 1 is a start that failed, 2 a usage error, and 3 would
+# read "NOTIMPLEMENTED". The unit does not restart on it
+# (RestartPreventExitStatus): the stop was asked for.
+LEFT_WORK_STATUS = 75
 
 
 class StopClock:

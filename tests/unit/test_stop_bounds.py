@@ -489,13 +489,3 @@ def test_a_close_step_that_fails_leaves_the_running_mark_and_the_stop_ends(caplo
     assert not seen["forgot"] and seen["status"] == stopclock.LEFT_WORK_STATUS != 0
     assert "closing the daemon's services failed" in caplog.text
 
-
-def test_a_stop_that_left_work_exits_saying_so_to_systemd():
-    """Work the close left (a request, a close step that ran late): the
-    status is not 0, so systemd lists the unit failed and the operator
-    looks at the log, which names what was left."""
-    async def close(requests_ended, clock):
-        return 2
-
-    seen = _stop_daemon_with(close)
-    assert not seen["forgot"] and seen["status"] == stopclock.LEFT_WORK_STATUS

@@ -144,3 +144,13 @@ def test_systemctl_reload_sends_the_daemon_sighup():
     d = directives(UNIT.read_text())
     assert d.get("ExecReload") == ["/bin/kill -HUP $MAINPID"], d.get("ExecReload")
     assert d["Type"] == ["notify"]
+
+
+def test_a_stop_that_left_work_is_a_failure_not_a_reason_to_restart():
+    """The daemon's status for a stop that left work under way
+    (stopclock.LEFT_WORK_STATUS): listed as failed, never restarted on."""
+    from dsecd import stopclock
+
+    d = directives(UNIT.read_text())
+    assert d["RestartPreventExitStatus"] == [str(stopclock.LEFT_WORK_STATUS)]
+    assert str(stopclock.LEFT_WORK_STATUS) not in d.get("SuccessExitStatus", [""])[0].split()
