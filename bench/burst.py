@@ -15,7 +15,12 @@ measures through the Python SDK:
   call, two at once), and fncall_floor_ratio is the median over the rounds
   of calls/s over the mean of the floor rounds on either side;
   fork_floor_calls_per_s is the floor rounds' median (all of them in
-  fork_floor_rounds);
+  fork_floor_rounds); each fork floor round is followed by one of the
+  isolated fork floor (each child set up as a call's worker is: its own
+  process group, dir, rlimits, nice, IPC namespace and uid; bench/floors.py),
+  fork_isolated_floor_calls_per_s, and fncall_isolation_ceiling is the
+  median of isolated / bare over the rounds: the most fncall_floor_ratio
+  can be while each call keeps that isolation;
 * pool_create_p50_ms / _p99_ms: sequential creates served by a warm pool
   (`pool_set` min `--pool`), client-observed;
 * burst_2000_s: `--burst` creates (with idempotency keys, from `--clients`
@@ -58,7 +63,9 @@ measures through the Python SDK:
   sandbox among none live, so it reads high on a host whose load rises
   during the burst; it says how far dsecd is from a create with the same
   isolation, where burst_floor_ratio compares with one without cgroups,
-  mounts or a filter;
+  mounts or a filter; burst_isolation_ceiling: that rate over
+  kernel_floor_creates_per_s, the most burst_floor_ratio can be while each
+  sandbox keeps its isolation (the same caveat: measured once, before);
 * burst_perf_split (with `--perf`, where perf is installed): the last burst
   round under `perf record -g` of the daemon and this client, samples by
   who ran them (daemon loop, daemon workers, spawn children before
@@ -428,7 +435,7 @@ async def teardown(sock: str) -> dict:
 
 async def measure(sock: str, args, rootfs: str) -> dict:
     out = {}
-    fork_floor = Floors(fork_n=args.fork_n, kernel=False)
+    fork_floor = Floors(fork_n=args.fork_n, kernel=False, fork_isolated=True)
     if "fncall" in args.parts:
         out.update(await measure_fncall(sock, args.n_calls, args.clients, args.n_calls_total, fork_floor,
                                         args.fncall_rounds))
@@ -458,6 +465,7 @@ async def measure(sock: str, args, rootfs: str) -> dict:
     if stages is not None:
         out["create_breakdown_cpu_ms"] = breakdown(stages, out["burst_cpu_ms"])
         out["burst_sandbox_floor_ratio"] = round(out["burst_creates_per_s"] / stages["seccomp"]["per_s"], 3)
+        out["burst_isolation_ceiling"] = round(stages["seccomp"]["per_s"] / out["kernel_floor_creates_per_s"], 3)
     gone = await teardown(sock)
     out.update(burst_destroy_s=round(gone["seconds"], 3),
                burst_destroys_per_s=round(gone["destroyed"] / gone["seconds"], 1),

@@ -12,6 +12,15 @@ the same minutes. The benches alternate floor rounds with their own rounds
 * fork floor (`fork_floor`): a Python process with the stdlib imported forks
   a child per call that writes `sum(range(10))` to a pipe and exits, two at
   once: a fresh worker per call with no isolation at all. Also floor.py's.
+* isolated fork floor (`fork_floor(isolated=True)`): the same loop, each
+  child first doing what a zygote's worker does before its call
+  (dsecd/backends/zygote_main.py `worker`): its own process group, a 0700
+  dir of its own under a private tmp dir (made, chowned, entered; removed
+  by the parent after the child's exit), the call's five rlimits, nice
+  19, an IPC namespace of its own, then a uid of its own (one of 64, as
+  calls take turns). What a call's isolation costs without dsecd's
+  request, zygote loop or report: its rate over the fork floor's is the
+  most fncall_floor_ratio could be with that isolation kept.
 * create stages (`create_stages`, bench/floor_create.c): the kernel's part of
   a sandbox create and exec without dsecd, made the way csrc/spawn.c makes
   it, level by level (namespaces; + cgroups; + mounts; + pivot_root; +
@@ -64,13 +73,53 @@ FORK_CODE = (
     "print(n / (time.monotonic() - t0))\n")
 
 
-def fork_floor(n: int = 800) -> float:
+# The isolated fork floor's loop: FORK_CODE with a worker's set-up in the
+# child (zygote_main.worker's steps and the default [fncall] rlimits) and
+# its dir removed by the parent, as the zygote removes an empty one.
+ISOLATED_FORK_CODE = (
+    "import ctypes, os, resource, sys, tempfile, time\n"
+    "n, base, uid0 = {n}, tempfile.mkdtemp(prefix='dsecd-floor-fork-'), {uid0}\n"
+    "unshare = ctypes.CDLL(None, use_errno=True).unshare\n"
+    "LIMITS = ((resource.RLIMIT_AS, 1 << 30), (resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, 64 << 20),\n"
+    "          (resource.RLIMIT_NOFILE, 256), (resource.RLIMIT_NPROC, 512))\n"
+    "t0 = time.monotonic()\n"
+    "for i in range(n):\n"
+    "    uid, tmp = uid0 + i % 64, f'{{base}}/{{i}}'\n"
+    "    r, w = os.pipe()\n"
+    "    pid = os.fork()\n"
+    "    if pid == 0:\n"
+    "        os.setpgid(0, 0); os.mkdir(tmp, 0o700); os.chown(tmp, uid, uid); os.chdir(tmp)\n"
+    "        for what, value in LIMITS: resource.setrlimit(what, (value, value))\n"
+    "        os.nice(19)\n"
+    "        if unshare(0x08000000) != 0: os._exit(3)\n"
+    "        os.setgroups([]); os.setgid(uid); os.setuid(uid)\n"
+    "        os.write(w, str(sum(range(10))).encode()); os._exit(0)\n"
+    "    os.close(w); out = os.read(r, 64); os.close(r)\n"
+    "    if os.waitpid(pid, 0)[1] != 0 or not out: sys.exit(f'isolated child {{i}} failed')\n"
+    "    os.rmdir(tmp)\n"
+    "elapsed = time.monotonic() - t0\n"
+    "os.rmdir(base)\n"
+    "print(n / elapsed)\n")
+# Uids for the isolated children, far above the host's users and every
+# range dsecd hands out (userns.py's slots, [fncall] uid_base).
+ISOLATED_UID_BASE = 3_900_000_000
+
+
+def fork_floor(n: int = 800, isolated: bool = False) -> float:
     """Calls per second of floor.py's fork loop: two Python processes (json,
-    asyncio, subprocess and hashlib imported) forking n children each."""
-    code = "import json, asyncio, subprocess, hashlib\n" + FORK_CODE.format(n=n)
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    return sum(float(p.communicate()[0]) for p in procs)
+    asyncio, subprocess and hashlib imported) forking n children each;
+    `isolated`: each child isolated as a call's worker is first (root only)."""
+    if isolated:
+        loops = [ISOLATED_FORK_CODE.format(n=n, uid0=ISOLATED_UID_BASE + 64 * i) for i in range(2)]
+    else:
+        loops = [FORK_CODE.format(n=n)] * 2
+    procs = [subprocess.Popen([sys.executable, "-c", "import json, asyncio, subprocess, hashlib\n" + loop],
+                              stdout=subprocess.PIPE, text=True) for loop in loops]
+    rates = [p.communicate()[0] for p in procs]
+    for p in procs:
+        if p.returncode != 0:
+            raise RuntimeError(f"{'isolated ' if isolated else ''}fork floor loop exited {p.returncode}")
+    return sum(float(r) for r in rates)
 
 
 class CreateStages:
@@ -157,18 +206,24 @@ class Floors:
     each floor named at construction; the medians and each dsecd round's
     ratio to the floor rounds on either side of it come from `ratio()`."""
 
-    def __init__(self, kernel_n: int = 400, fork_n: int = 800, kernel: bool = True, fork: bool = True):
+    def __init__(self, kernel_n: int = 400, fork_n: int = 800, kernel: bool = True, fork: bool = True,
+                 fork_isolated: bool = False):
         self.kernel_n, self.fork_n = kernel_n, fork_n
         self.kernel: list[float] = [] if kernel else None
         self.fork: list[float] = [] if fork else None
+        # Each fork round followed by an isolated one: their ratio, round by round.
+        self.fork_isolated: list[float] = [] if fork and fork_isolated else None
 
     def round(self) -> None:
         if self.kernel is not None:
             self.kernel.append(kernel_floor(self.kernel_n))
         if self.fork is not None:
             self.fork.append(fork_floor(self.fork_n))
+        if self.fork_isolated is not None:
+            self.fork_isolated.append(fork_floor(self.fork_n, isolated=True))
         harness.log("floor round: " + ", ".join(
-            f"{name} {vals[-1]:.0f}/s" for name, vals in (("kernel", self.kernel), ("fork", self.fork))
+            f"{name} {vals[-1]:.0f}/s" for name, vals in (("kernel", self.kernel), ("fork", self.fork),
+                                                          ("fork isolated", self.fork_isolated))
             if vals is not None))
 
     @staticmethod
@@ -187,4 +242,8 @@ class Floors:
         if self.fork:
             out["fork_floor_calls_per_s"] = round(statistics.median(self.fork), 1)
             out["fork_floor_rounds"] = [round(x, 1) for x in self.fork]
+        if self.fork_isolated:
+            out["fork_isolated_floor_calls_per_s"] = round(statistics.median(self.fork_isolated), 1)
+            out["fncall_isolation_ceiling"] = round(statistics.median(
+                iso / bare for iso, bare in zip(self.fork_isolated, self.fork, strict=True)), 3)
         return out
