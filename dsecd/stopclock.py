@@ -201,11 +201,11 @@ async def end_what_is_left(clock: StopClock) -> list[str]:
     return left
 
 
-def exit_now(left: list[str], clock: StopClock, locks: list[int], status: int = LEFT_WORK_STATUS) -> None:
+def exit_now(left: list[str], clock: StopClock, locks: list[int]) -> None:
     """End the process though threads are still in blocking calls and
     tasks still running (`left`, described): said in the log, atexit's
     functions run (the log flushed), `locks` (the flocks on the state dir
-    and the cgroup root) given up, then os._exit. A normal exit would wait
+    and the cgroup root) given up, then os._exit(LEFT_WORK_STATUS). A normal exit would wait
     forever for those threads (the interpreter joins every worker thread)
     and tasks (asyncio cancels and awaits every task).
 
@@ -239,7 +239,7 @@ def exit_now(left: list[str], clock: StopClock, locks: list[int], status: int = 
                 os.close(fd)
             except OSError:
                 pass
-    os._exit(status)
+    os._exit(LEFT_WORK_STATUS)
 
 
 def _say_stuck_loop(loop_thread: int, clock: StopClock) -> None:

@@ -345,10 +345,12 @@ class LifecycleService:
             # (code 1) is no guest's doing.
             # "gone": found dead at a start, `why` saying how (no QEMU, or one
             # that would not end).
-            extra = getattr(h, "extra", {}) if h is not None else {}
-            why, given = (extra.get("died_because", "exited"), why) if h is not None else ("gone", why)
-            detail = {"detail": extra["died_why"]} if "died_why" in extra else {}
-            detail |= how_qemu_ended(h) if h is not None else {"detail": given}
+            if h is None:
+                why, detail = "gone", {"detail": why}
+            else:
+                extra = getattr(h, "extra", {})
+                why = extra.get("died_because", "exited")
+                detail = ({"detail": extra["died_why"]} if "died_why" in extra else {}) | how_qemu_ended(h)
             panic = guest_panic(h.vm_dir / "serial.log") if why == "exited" else None
             if panic:
                 # Its kernel said why (e.g. "System is deadlocked on memory"):
